@@ -1,0 +1,27 @@
+"""depthfusion-hf: DenseFormer, MoDA and DWAtt as Hugging Face model families.
+
+Importing the package registers every model type with ``AutoConfig``, ``AutoModel`` and the task
+auto classes, so ``AutoModelForCausalLM.from_pretrained(folder)`` works without remote code.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
+
+__version__ = "0.1.0"
+
+
+def _register(config_cls, base_cls, task_auto, task_cls) -> None:
+    AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+    AutoModel.register(config_cls, base_cls, exist_ok=True)
+    if task_auto is not None:
+        task_auto.register(config_cls, task_cls, exist_ok=True)
+
+
+_register(DenseFormerConfig, DenseFormerModel, AutoModelForCausalLM, DenseFormerForCausalLM)
+
+__all__ = [
+    "DenseFormerConfig",
+    "DenseFormerForCausalLM",
+    "DenseFormerModel",
+]

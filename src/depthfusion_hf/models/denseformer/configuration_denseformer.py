@@ -1,0 +1,71 @@
+"""DenseFormer configuration: a Llama-style decoder plus the k×p Depth-Weighted Average knobs."""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers.models.llama.configuration_llama import LlamaConfig
+
+
+def check_positive_int(name: str, value, upper: int | None = None, upper_name: str | None = None) -> None:
+    """Raise a ValueError naming ``name`` unless ``1 <= value (<= upper)``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (upper is not None and value > upper):
+        allowed = f"an integer in [1, {upper}] ({upper_name})" if upper is not None else "an integer >= 1"
+        raise ValueError(f"`{name}` must be {allowed}; got {value!r}")
+
+
+def check_llama_shapes(config: LlamaConfig) -> None:
+    """Validate the Llama-style fields shared by our decoders; raise a ValueError naming the field."""
+    check_positive_int("vocab_size", config.vocab_size)
+    check_positive_int("hidden_size", config.hidden_size)
+    check_positive_int("intermediate_size", config.intermediate_size)
+    check_positive_int("num_hidden_layers", config.num_hidden_layers)
+    check_positive_int("num_attention_heads", config.num_attention_heads)
+    if config.head_dim is None and config.hidden_size % config.num_attention_heads != 0:
+        raise ValueError(
+            f"`hidden_size` ({config.hidden_size}) must be divisible by `num_attention_heads` "
+            f"({config.num_attention_heads}), or set `head_dim` explicitly"
+        )
+    if config.num_key_value_heads is not None:
+        check_positive_int("num_key_value_heads", config.num_key_value_heads, config.num_attention_heads,
+                           "at most num_attention_heads")
+        if config.num_attention_heads % config.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({config.num_attention_heads}) must be a multiple of "
+                f"`num_key_value_heads` ({config.num_key_value_heads})"
+            )
+    if config.head_dim is not None and (config.head_dim < 2 or config.head_dim % 2 != 0):
+        raise ValueError(f"`head_dim` must be an even integer >= 2 (RoPE rotates pairs); got {config.head_dim}")
+
+
+@strict
+class DenseFormerConfig(LlamaConfig):
+    r"""Configuration of a DenseFormer (Pagliardini et al., 2024, arXiv 2402.02622).
+
+    A Llama decoder (RMSNorm, RoPE, SwiGLU, GQA; every Llama field keeps its meaning) with a
+    Depth-Weighted Average after every ``dwa_period``-th block. The DWA after block ``i`` mixes the
+    block outputs ``X_j`` with ``j <= i`` and ``j ≡ i (mod dwa_dilation)`` (``X_0`` = embeddings).
+
+    Args:
+        dwa_dilation (`int`, defaults to 1): k, the dilation; 1 connects every earlier block.
+            Allowed: ``1 <= k <= num_hidden_layers``.
+        dwa_period (`int`, defaults to 1): p, a DWA step after block ``i`` only when ``p | i``.
+            Allowed: ``1 <= p <= num_hidden_layers``.
+
+    Example:
+        >>> config = DenseFormerConfig(num_hidden_layers=12, dwa_dilation=4, dwa_period=5)
+    """
+
+    model_type = "denseformer"
+
+    dwa_dilation: int = 1
+    dwa_period: int = 1
+
+    def __post_init__(self, **kwargs):
+        check_llama_shapes(self)
+        layers = self.num_hidden_layers
+        check_positive_int("dwa_dilation", self.dwa_dilation, layers, "at most num_hidden_layers")
+        check_positive_int("dwa_period", self.dwa_period, layers, "at most num_hidden_layers")
+        super().__post_init__(**kwargs)
+
+
+__all__ = ["DenseFormerConfig"]

@@ -1,0 +1,174 @@
+"""Depth-Weighted Average (DWA), the op behind DenseFormer: ``out = sum_n weights[n] * states[n]``.
+
+Three implementations behind :func:`depth_weighted_average`, one signature:
+
+- ``"reference"``: the paper's loop (Listing 1), obviously correct, autograd does the rest.
+- ``"torch"``: a custom autograd Function over the *list* of sources. It never stacks them (the
+  paper's package copies every block output into a pre-allocated accumulator and then runs
+  ``tensordot``); the backward saves only references to tensors that already exist.
+- ``"triton"``: a fused kernel (``dwa_triton.py``) for CUDA tensors, used when Triton imports.
+
+The backend is chosen by the ``backend`` argument, else the ``DEPTHFUSION_BACKEND`` environment
+variable, else automatically (Triton for CUDA tensors when available, PyTorch otherwise).
+
+This file must stay self-contained (only ``torch`` and same-folder relative imports): it is
+copied next to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+try:  # Triton is optional: the model loads and runs without it.
+    from .dwa_triton import dwa_triton_forward_backward_available, triton_depth_weighted_average
+except Exception:  # pragma: no cover - depends on the environment
+    triton_depth_weighted_average = None
+
+    def dwa_triton_forward_backward_available() -> bool:
+        """Triton could not be imported: the fused kernel is unavailable."""
+        return False
+
+
+BACKENDS = ("reference", "torch", "triton")
+BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """Pick the implementation: explicit argument, else ``$DEPTHFUSION_BACKEND``, else automatic.
+
+    Automatic means Triton for CUDA tensors when the kernel imports, PyTorch otherwise.
+    """
+    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
+    choice = choice.lower()
+    if choice == "auto":
+        use_triton = device.type == "cuda" and dwa_triton_forward_backward_available()
+        return "triton" if use_triton else "torch"
+    if choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
+    if choice == "triton" and not dwa_triton_forward_backward_available():
+        raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
+    return choice
+
+
+def _as_list(states: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(states, torch.Tensor):
+        if states.dim() < 1:
+            raise ValueError("states must have shape [N, *S]; got a 0-d tensor")
+        return list(states.unbind(0))
+    return list(states)
+
+
+def _check_inputs(sources: list[torch.Tensor], weights: torch.Tensor) -> None:
+    if len(sources) == 0:
+        raise ValueError("states must hold at least one tensor (N >= 1)")
+    if weights.dim() != 1 or weights.shape[0] != len(sources):
+        raise ValueError(
+            f"weights must have shape [N] with N = number of states ({len(sources)}); got {tuple(weights.shape)}"
+        )
+    first = sources[0]
+    for n, x in enumerate(sources):
+        if x.shape != first.shape or x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(
+                f"all states must share shape, dtype and device; states[0] is {tuple(first.shape)} "
+                f"{first.dtype} {first.device}, states[{n}] is {tuple(x.shape)} {x.dtype} {x.device}"
+            )
+    if not weights.is_floating_point():
+        raise ValueError(f"weights must be a floating-point tensor; got {weights.dtype}")
+
+
+def dwa_reference(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """The paper's loop: ``sum_n weights[n] * sources[n]``.
+
+    Args:
+        sources: N tensors of the same shape S.
+        weights: [N].
+    Returns:
+        [*S], in the sources' dtype.
+    """
+    out = sources[0] * weights[0].to(sources[0].dtype)
+    for n in range(1, len(sources)):
+        out = out + sources[n] * weights[n].to(sources[n].dtype)
+    return out
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _DepthWeightedAverage(torch.autograd.Function):
+    """``out = sum_n w[n] * x[n]`` over a list of sources, without stacking them.
+
+    Forward: one fused multiply-add per source into a single output buffer (fp32 accumulation for
+    half types). Backward: ``grad_x[n] = w[n] * g`` and ``grad_w[n] = <g, x[n]>`` (a dot product,
+    no temporary). Only references to the inputs are saved: nothing is stored twice.
+    """
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
+        acc_dtype = _accumulation_dtype(sources[0].dtype)
+        w = weights.detach().to(acc_dtype)
+        out = sources[0].to(acc_dtype) * w[0]
+        for n in range(1, len(sources)):
+            out.addcmul_(sources[n], w[n])
+        ctx.save_for_backward(weights, *sources)
+        return out.to(sources[0].dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        weights, *sources = ctx.saved_tensors
+        grad_weights = None
+        if ctx.needs_input_grad[0]:
+            g = grad_out.reshape(-1)
+            acc_dtype = _accumulation_dtype(g.dtype)
+            g_acc = g.to(acc_dtype)
+            grad_weights = torch.stack([torch.dot(g_acc, x.reshape(-1).to(acc_dtype)) for x in sources])
+            grad_weights = grad_weights.to(weights.dtype)
+        grad_sources = []
+        for n, _x in enumerate(sources):
+            if ctx.needs_input_grad[n + 1]:
+                grad_sources.append(grad_out * weights[n].to(grad_out.dtype))
+            else:
+                grad_sources.append(None)
+        return (grad_weights, *grad_sources)
+
+
+def dwa_torch(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """Efficient PyTorch DWA over a list of sources (see :class:`_DepthWeightedAverage`).
+
+    Args:
+        sources: N tensors of the same shape S.
+        weights: [N].
+    Returns:
+        [*S], in the sources' dtype.
+    """
+    return _DepthWeightedAverage.apply(weights, *sources)
+
+
+def depth_weighted_average(
+    states: torch.Tensor | Sequence[torch.Tensor],
+    weights: torch.Tensor,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Depth-Weighted Average: ``sum_n weights[n] * states[n]``, differentiable in both.
+
+    Args:
+        states: a tensor [N, *S] or a sequence of N tensors of shape S (same dtype and device).
+        weights: [N] floating-point weights.
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (then
+            ``$DEPTHFUSION_BACKEND``, default ``"auto"``).
+    Returns:
+        Tensor of shape S and the states' dtype.
+    Raises:
+        ValueError: when the shapes, dtypes or devices disagree, or the backend is unknown.
+    """
+    sources = _as_list(states)
+    _check_inputs(sources, weights)
+    choice = resolve_backend(backend, sources[0].device)
+    if choice == "reference":
+        return dwa_reference(sources, weights)
+    if choice == "triton":
+        return triton_depth_weighted_average(sources, weights)
+    return dwa_torch(sources, weights)

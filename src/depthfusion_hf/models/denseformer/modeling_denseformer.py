@@ -1,0 +1,307 @@
+"""DenseFormer: a Llama decoder with a Depth-Weighted Average (DWA) after blocks (arXiv 2402.02622).
+
+    Y_0 = X_0 = embeddings
+    X_i = Block_i(Y_{i-1})                               i = 1..d
+    Y_i = sum_{j in S(i)} alpha[i, j] * X_j   if p | i   (a DWA step)
+    Y_i = X_i                                 otherwise
+    S(i) = { j : 0 <= j <= i, j ≡ i (mod k) }
+    logits = lm_head(norm(Y_d))
+
+The blocks, norms, rotary embeddings and attention backends are transformers' Llama ones, so a
+Llama checkpoint loads by copying weights (see ``depthfusion_hf.convert``) and the DWA weights start
+as the identity (``alpha[i, i] = 1``), which makes the DenseFormer *equal* to the Llama at init.
+The DWA is per token, so cached decoding needs no cache beyond the ordinary KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_denseformer import DenseFormerConfig
+from .dwa import depth_weighted_average
+
+
+def dwa_sources(step: int, dilation: int) -> list[int]:
+    """S(i): the block indices a DWA step after block ``step`` reads, ``j <= i, j ≡ i (mod k)``."""
+    return list(range(step % dilation, step + 1, dilation))
+
+
+class DenseFormerDWA(nn.Module):
+    """All DWA weights of a k×p DenseFormer, packed in one vector ``alphas``.
+
+    The step after block ``i`` (``p | i``) owns ``|S(i)| = i // k + 1`` consecutive entries, ordered
+    like ``S(i)``; the last one is ``alpha[i, i]``. A 1×1 DenseFormer with d blocks has
+    ``d (d + 3) / 2`` of them, the only parameters added to the Llama.
+    """
+
+    def __init__(self, num_layers: int, dilation: int, period: int):
+        super().__init__()
+        self.num_layers = num_layers
+        self.dilation = dilation
+        self.period = period
+        self.steps = [i for i in range(1, num_layers + 1) if i % period == 0]
+        self.sources = {i: dwa_sources(i, dilation) for i in self.steps}
+        self.offsets: dict[int, int] = {}
+        total = 0
+        for i in self.steps:
+            self.offsets[i] = total
+            total += len(self.sources[i])
+        self.alphas = nn.Parameter(self.identity_alphas(total))
+        # Block outputs that some later DWA step reads; the others need not be kept.
+        self.needed = sorted({j for i in self.steps for j in self.sources[i]})
+
+    def identity_alphas(self, total: int | None = None) -> torch.Tensor:
+        """The initial weights: ``alpha[i, i] = 1`` and 0 elsewhere (the DenseFormer is a plain transformer)."""
+        total = self.alphas.numel() if total is None else total
+        values = torch.zeros(total)
+        for i in self.steps:
+            values[self.offsets[i] + len(self.sources[i]) - 1] = 1.0
+        return values
+
+    def step_weights(self, step: int) -> torch.Tensor:
+        """The weights of the DWA after block ``step``: [|S(step)|], ordered like ``S(step)``."""
+        start = self.offsets[step]
+        return self.alphas[start : start + len(self.sources[step])]
+
+    def weight_matrix(self) -> torch.Tensor:
+        """Dense view for plotting: [d, d + 1], row ``i - 1`` holds ``alpha[i, j]`` (0 where unconnected).
+
+        Rows of blocks without a DWA step hold the implicit identity ``alpha[i, i] = 1``.
+        """
+        matrix = torch.zeros(self.num_layers, self.num_layers + 1, dtype=self.alphas.dtype)
+        alphas = self.alphas.detach().cpu()
+        for i in range(1, self.num_layers + 1):
+            if i in self.offsets:
+                start = self.offsets[i]
+                matrix[i - 1, self.sources[i]] = alphas[start : start + len(self.sources[i])]
+            else:
+                matrix[i - 1, i] = 1.0
+        return matrix
+
+    def extra_repr(self) -> str:
+        return f"layers={self.num_layers}, dilation={self.dilation}, period={self.period}, steps={len(self.steps)}"
+
+
+class DenseFormerDecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder block, unchanged (named for ``_no_split_modules`` and output capture)."""
+
+
+class DenseFormerPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and the transformers capabilities shared by DenseFormer models."""
+
+    config: DenseFormerConfig
+    config_class = DenseFormerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DenseFormerDecoderLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False
+    _can_record_outputs = {
+        "hidden_states": DenseFormerDecoderLayer,
+        "attentions": LlamaAttention,
+    }
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, DenseFormerDWA):
+            # Identity DWA: survives post_init(), re-initialisation, and checkpoints without DWA weights
+            # (init.copy_ leaves parameters that were loaded from a checkpoint untouched).
+            init.copy_(module.alphas, module.identity_alphas().to(module.alphas.device, module.alphas.dtype))
+
+
+class DenseFormerModel(DenseFormerPreTrainedModel):
+    """The DenseFormer decoder stack: embeddings, blocks with DWA steps, final norm.
+
+    Returns ``BaseModelOutputWithPast`` whose ``last_hidden_state`` is ``norm(Y_d)``: [B, T, D].
+    With ``output_hidden_states=True`` the recorded states are the block outputs ``X_i``.
+    """
+
+    def __init__(self, config: DenseFormerConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [DenseFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        # Differs from Llama: the Depth-Weighted Average weights.
+        self.dwa = DenseFormerDWA(config.num_hidden_layers, config.dwa_dilation, config.dwa_period)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def dwa_weights(self) -> torch.Tensor:
+        """The learned DWA weights as a dense [d, d + 1] matrix (0 where not connected)."""
+        return self.dwa.weight_matrix()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        """Run the decoder.
+
+        Args:
+            input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
+            attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
+            position_ids: [B, T]; by default continue from the cache length.
+            cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
+            use_cache: build a ``DynamicCache`` when none is given.
+        """
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
+        # Differs from Llama: keep the block outputs X_j that later DWA steps read (X_0 = embeddings).
+        needed = self.dwa.needed
+        block_outputs: dict[int, torch.Tensor] = {0: hidden_states} if 0 in needed else {}
+        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers], start=1):
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                **kwargs,
+            )
+            if i in needed:
+                block_outputs[i] = hidden_states
+            if i in self.dwa.offsets:
+                sources = [block_outputs[j] for j in self.dwa.sources[i]]
+                hidden_states = depth_weighted_average(sources, self.dwa.step_weights(i))
+
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+class DenseFormerForCausalLM(DenseFormerPreTrainedModel, GenerationMixin):
+    """DenseFormer with a language-modelling head; works with ``generate()`` and the transformers cache.
+
+    Example:
+        >>> from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM
+        >>> model = DenseFormerForCausalLM(DenseFormerConfig(num_hidden_layers=4, hidden_size=64,
+        ...     intermediate_size=128, num_attention_heads=4, vocab_size=100, dwa_dilation=2))
+        >>> model.dwa_weights().shape
+        torch.Size([4, 5])
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: DenseFormerConfig):
+        super().__init__(config)
+        self.model = DenseFormerModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def dwa_weights(self) -> torch.Tensor:
+        """The learned DWA weights as a dense [d, d + 1] matrix (0 where not connected)."""
+        return self.model.dwa_weights()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        """Next-token logits [B, T, V] (and the shifted cross-entropy loss when ``labels`` [B, T] are given)."""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["DenseFormerForCausalLM", "DenseFormerModel", "DenseFormerPreTrainedModel", "DenseFormerDWA"]

@@ -1,0 +1,9 @@
+"""The public depth-fusion ops, one function per op, each dispatching reference / torch / triton.
+
+The implementations live in the model folders (so that exported remote code carries them);
+this module only re-exports them.
+"""
+
+from .models.denseformer.dwa import depth_weighted_average
+
+__all__ = ["depth_weighted_average"]
