@@ -7,6 +7,7 @@ auto classes, so ``AutoModelForCausalLM.from_pretrained(folder)`` works without 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
+from .models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
 
 __version__ = "0.1.0"
 
@@ -19,9 +20,13 @@ def _register(config_cls, base_cls, task_auto, task_cls) -> None:
 
 
 _register(DenseFormerConfig, DenseFormerModel, AutoModelForCausalLM, DenseFormerForCausalLM)
+_register(MoDAConfig, MoDAModel, AutoModelForCausalLM, MoDAForCausalLM)
 
 __all__ = [
     "DenseFormerConfig",
     "DenseFormerForCausalLM",
     "DenseFormerModel",
+    "MoDAConfig",
+    "MoDAForCausalLM",
+    "MoDAModel",
 ]

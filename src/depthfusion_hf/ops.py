@@ -5,5 +5,6 @@ this module only re-exports them.
 """
 
 from .models.denseformer.dwa import depth_weighted_average
+from .models.moda.moda_attention import moda_attention
 
-__all__ = ["depth_weighted_average"]
+__all__ = ["depth_weighted_average", "moda_attention"]

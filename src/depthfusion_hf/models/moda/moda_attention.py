@@ -1,0 +1,293 @@
+"""Mixture-of-Depths Attention (MoDA), the op behind the MoDA family (arXiv 2603.15619).
+
+A query token attends, in ONE softmax with one scale, to
+
+- the causal sequence keys/values of its layer (``k``, ``v``: the usual attention pool), and
+- its own ``M`` depth keys/values (``depth_k``, ``depth_v``: entries written for the *same token* by
+  earlier layers). Depth entries of other tokens are never visible.
+
+Three implementations behind :func:`moda_attention`, one signature:
+
+- ``"reference"``: loops over batch, head and token, obviously correct, autograd does the rest.
+- ``"torch"``: vectorised (no Python loop over tokens or layers): sequence logits [.., T, S] and
+  depth logits [.., T, M] are concatenated along the last dim, one softmax, split. GQA reshapes the
+  queries to [B, Hkv, G, T, d] instead of copying keys with ``repeat_interleave``.
+- ``"triton"``: a fused kernel (``moda_triton.py``) for CUDA tensors, used when Triton imports.
+
+The backend is chosen by the ``backend`` argument, else the ``DEPTHFUSION_BACKEND`` environment
+variable, else automatically (Triton for CUDA tensors when available, PyTorch otherwise).
+
+This file must stay self-contained (only ``torch`` and same-folder relative imports): it is
+copied next to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:  # Triton is optional: the model loads and runs without it.
+    from .moda_triton import moda_triton_available, triton_moda_attention
+except Exception:  # pragma: no cover - depends on the environment
+    triton_moda_attention = None
+
+    def moda_triton_available() -> bool:
+        """Triton could not be imported: the fused kernel is unavailable."""
+        return False
+
+
+BACKENDS = ("reference", "torch", "triton")
+BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """Pick the implementation: explicit argument, else ``$DEPTHFUSION_BACKEND``, else automatic.
+
+    Automatic means Triton for CUDA tensors when the kernel imports, PyTorch otherwise.
+    """
+    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
+    choice = choice.lower()
+    if choice == "auto":
+        use_triton = device.type == "cuda" and moda_triton_available()
+        return "triton" if use_triton else "torch"
+    if choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
+    if choice == "triton" and not moda_triton_available():
+        raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
+    return choice
+
+
+def _shape(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def check_moda_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> None:
+    """Raise a ValueError naming the argument and the expected shape when the inputs do not fit together."""
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, Hq, T, d]; got {_shape(q)}")
+    batch, num_q_heads, q_len, head_dim = q.shape
+    if k.dim() != 4:
+        raise ValueError(f"k must have shape [B, Hkv, S, d]; got {_shape(k)}")
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k must have shape [B={batch}, Hkv, S, d={head_dim}]; got {_shape(k)}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"k must have Hkv heads with Hq={num_q_heads} a multiple of Hkv; got {_shape(k)}")
+    if kv_len < q_len:
+        raise ValueError(f"k must have S >= T={q_len} positions (queries are the last T of S); got {_shape(k)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k, {_shape(k)}; got {_shape(v)}")
+    if depth_k.dim() != 5:
+        raise ValueError(f"depth_k must have shape [B, Hkv, T, M, d]; got {_shape(depth_k)}")
+    expected = (batch, num_kv_heads, q_len, depth_k.shape[3], head_dim)
+    if _shape(depth_k) != expected:
+        raise ValueError(f"depth_k must have shape [B, Hkv, T, M, d] = {expected}; got {_shape(depth_k)}")
+    if depth_v.shape != depth_k.shape:
+        raise ValueError(f"depth_v must have the shape of depth_k, {_shape(depth_k)}; got {_shape(depth_v)}")
+    for name, x in (("k", k), ("v", v), ("depth_k", depth_k), ("depth_v", depth_v)):
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must share q's dtype and device ({q.dtype}, {q.device}); got {x.dtype}, {x.device}")
+    if attention_mask is not None:
+        target = (batch, num_q_heads, q_len, kv_len)
+        try:
+            broadcast = torch.broadcast_shapes(attention_mask.shape, target)
+        except RuntimeError:
+            broadcast = None
+        if attention_mask.dim() > 4 or broadcast != target:
+            raise ValueError(
+                f"attention_mask must be broadcastable to [B, Hq, T, S] = {target}; got {_shape(attention_mask)}"
+            )
+        if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
+            raise ValueError(f"attention_mask must be bool (True = attend) or additive float; got {attention_mask.dtype}")
+
+
+def _causal_keep(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[T, S] bool: query ``t`` (position ``S - T + t``) may see key ``j`` iff ``j <= S - T + t``."""
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
+    return torch.arange(kv_len, device=device).unsqueeze(0) <= rows
+
+
+def _masked_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim that returns zeros (not NaN) for rows whose entries are all ``-inf``."""
+    row_max = logits.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(logits - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def moda_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """The definition, one (batch, head, token) at a time, in float32 (float64 stays float64).
+
+    Args:
+        q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
+        attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S].
+    Returns:
+        [B, Hq, T, d] in q's dtype.
+    """
+    batch, num_q_heads, q_len, _ = q.shape
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask.expand(batch, num_q_heads, q_len, kv_len)
+    rows = []
+    for b in range(batch):
+        heads = []
+        for h in range(num_q_heads):
+            kv = h // group
+            tokens = []
+            for t in range(q_len):
+                visible = kv_len - q_len + t + 1 if causal else kv_len
+                query = q[b, h, t].to(work)
+                seq_logits = (k[b, kv, :visible].to(work) @ query) * scale  # (visible,)
+                if mask is not None:
+                    row_mask = mask[b, h, t, :visible]
+                    if row_mask.dtype == torch.bool:
+                        seq_logits = seq_logits.masked_fill(~row_mask, float("-inf"))
+                    else:
+                        seq_logits = seq_logits + row_mask.to(work)
+                depth_logits = (depth_k[b, kv, t].to(work) @ query) * scale  # (M,)
+                weights = _masked_softmax(torch.cat([seq_logits, depth_logits]))
+                out = weights[:visible] @ v[b, kv, :visible].to(work)
+                out = out + weights[visible:] @ depth_v[b, kv, t].to(work)
+                tokens.append(out)
+            heads.append(torch.stack(tokens))
+        rows.append(torch.stack(heads))
+    return torch.stack(rows).to(q.dtype)
+
+
+def moda_joint_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    depth_k: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """The joint softmax weights over ``[sequence keys | depth keys]``, vectorised.
+
+    Args:
+        q: [B, Hq, T, d]; k: [B, Hkv, S, d]; depth_k: [B, Hkv, T, M, d].
+    Returns:
+        [B, Hkv, G, T, S + M] float32 (float64 for float64 inputs), G = Hq / Hkv; query head
+        ``h`` is ``[:, h // G, h % G]``. Rows with no visible entry are all zeros.
+    """
+    batch, num_q_heads, q_len, head_dim = q.shape
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # GQA without copies: query head h = kv * G + g, so [B, Hq, T, d] -> [B, Hkv, G * T, d].
+    q_rows = q.reshape(batch, num_kv_heads, group * q_len, head_dim)
+    seq_logits = (q_rows @ k.transpose(-1, -2)).to(work) * scale  # (B, Hkv, G*T, S)
+    seq_logits = seq_logits.view(batch, num_kv_heads, group, q_len, kv_len)
+    if causal:
+        keep = _causal_keep(q_len, kv_len, q.device)  # (T, S)
+        seq_logits = seq_logits.masked_fill(~keep, float("-inf"))
+    if attention_mask is not None:
+        mask = attention_mask.expand(batch, num_q_heads, q_len, kv_len)
+        mask = mask.reshape(batch, num_kv_heads, group, q_len, kv_len)
+        if mask.dtype == torch.bool:
+            seq_logits = seq_logits.masked_fill(~mask, float("-inf"))
+        else:
+            seq_logits = seq_logits + mask.to(work)
+    # Depth pool: token t of query head (kv, g) reads depth_k[:, kv, t]. (B, Hkv, T, G, d) @ (B, Hkv, T, d, M)
+    q_tokens = q.reshape(batch, num_kv_heads, group, q_len, head_dim).transpose(2, 3)
+    depth_logits = (q_tokens @ depth_k.transpose(-1, -2)).to(work) * scale  # (B, Hkv, T, G, M)
+    depth_logits = depth_logits.transpose(2, 3)  # (B, Hkv, G, T, M)
+    return _masked_softmax(torch.cat([seq_logits, depth_logits], dim=-1))
+
+
+def moda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """Vectorised MoDA: one joint softmax (see :func:`moda_joint_probs`), then both weighted sums.
+
+    Args:
+        q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
+    Returns:
+        [B, Hq, T, d] in q's dtype.
+    """
+    batch, num_q_heads, q_len, head_dim = q.shape
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    probs = moda_joint_probs(q, k, depth_k, attention_mask, scale, causal)  # (B, Hkv, G, T, S + M)
+    seq_probs, depth_probs = probs.split([kv_len, probs.shape[-1] - kv_len], dim=-1)
+    seq_probs = seq_probs.to(v.dtype).reshape(batch, num_kv_heads, group * q_len, kv_len)
+    out = (seq_probs @ v).view(batch, num_kv_heads, group, q_len, head_dim).to(probs.dtype)
+    depth_probs = depth_probs.to(depth_v.dtype).transpose(2, 3)  # (B, Hkv, T, G, M)
+    depth_out = (depth_probs @ depth_v).transpose(2, 3)  # (B, Hkv, G, T, d)
+    out = out + depth_out.to(probs.dtype)
+    return out.reshape(batch, num_q_heads, q_len, head_dim).to(q.dtype)
+
+
+def moda_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Mixture-of-depths attention: one softmax over the causal sequence keys and the token's own depth keys.
+
+    Args:
+        q: [B, Hq, T, d] queries; they sit at the last T of the S sequence positions (prefill: S = T;
+            cached decoding: S = past + T).
+        k, v: [B, Hkv, S, d] sequence keys/values; query head ``h`` uses KV head ``h // (Hq / Hkv)``.
+        depth_k, depth_v: [B, Hkv, T, M, d] the M depth entries of each query token (M may be 0), read
+            with the same GQA mapping.
+        attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S].
+            It applies to the sequence pool only; depth entries are always visible to their token.
+        scale: logit scale for both pools; default ``1 / sqrt(d)``.
+        causal: hide sequence keys after the query's position ``S - T + t``.
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (then
+            ``$DEPTHFUSION_BACKEND``, default ``"auto"``).
+    Returns:
+        [B, Hq, T, d] in q's dtype. A row with no visible entry at all (every sequence key masked
+        with False/-inf and M = 0) returns zeros rather than NaN.
+    Raises:
+        ValueError: when a shape, dtype or device does not fit (the message names the argument and the
+            expected shape), or the backend is unknown.
+    """
+    check_moda_inputs(q, k, v, depth_k, depth_v, attention_mask)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    choice = resolve_backend(backend, q.device)
+    if choice == "reference":
+        return moda_reference(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
+    if choice == "triton":
+        return triton_moda_attention(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
+    return moda_torch(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
+
+
+__all__ = ["moda_attention", "moda_joint_probs", "moda_reference", "moda_torch", "resolve_backend"]

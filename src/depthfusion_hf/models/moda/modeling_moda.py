@@ -1,0 +1,431 @@
+"""MoDA: a Llama decoder whose attention also reads the same token's depth stream (arXiv 2603.15619).
+
+    layer l, token t:  o = softmax( [q K_seq^T | q K_depth(t)^T] / sqrt(d) ) [V_seq ; V_depth(t)]
+    K_depth(t), V_depth(t) = entries written for token t by layers 0..l-1, in write order
+        [attn_0, ffn_0, attn_1, ffn_1, ..., attn_{l-1}, ffn_{l-1}]          (2 l entries per KV head)
+    attn_i = layer i's own attention K/V of token t (reused, no parameters)
+    ffn_i  = ffn_kv_proj_i(FFN input of layer i at token t)  (D -> 2 Hkv d; only with moda_ffn_kv,
+             and never for the last layer, whose entry nobody reads)
+
+RoPE convention: depth keys are stored *post-RoPE*, each rotated by its own token's position, which
+is also the query's position. Since ``R(t) q . R(t) k = q . k``, every depth logit equals the
+unrotated ``q . k``: depth attention is position-free, and the attention keys can be reused straight
+from the layer (the values the KV cache holds) without a second projection.
+
+Cached decoding: the depth stream is per token, so a forward pass builds it only for the tokens it
+processes; the ordinary ``DynamicCache`` (sequence K/V) is all the state generation needs.
+Memory note: layer l materialises [B, Hkv, T, 2 l, d] depth tensors (O(L^2) over the stack when
+training); gradient checkpointing recomputes them per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    rotate_half,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_moda import MoDAConfig
+from .moda_attention import moda_attention, moda_joint_probs
+
+SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def stack_depth(entries: tuple[torch.Tensor, ...], like: torch.Tensor) -> torch.Tensor:
+    """Stack M depth entries [B, Hkv, T, d] into [B, Hkv, T, M, d] (M = 0 gives an empty tensor shaped like ``like``)."""
+    if len(entries) == 0:
+        batch, heads, tokens, head_dim = like.shape
+        return like.new_zeros(batch, heads, tokens, 0, head_dim)
+    return torch.stack(entries, dim=3)
+
+
+class MoDAAttention(LlamaAttention):
+    """Llama attention whose softmax also covers the token's own depth entries (same parameters as Llama).
+
+    Returns ``(output [B, T, D], weights or None, (key, value))`` where ``weights`` is the joint
+    softmax [B, Hq, T, S + M] (only when ``output_attentions``) and ``key``, ``value`` [B, Hkv, T, d]
+    are this layer's post-RoPE K/V of the processed tokens: its entry in the depth stream.
+    """
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        depth_keys: tuple[torch.Tensor, ...] = (),
+        depth_values: tuple[torch.Tensor, ...] = (),
+        cache: Cache | None = None,
+        output_attentions: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+        implementation = self.config._attn_implementation
+        if implementation not in SUPPORTED_ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"MoDA supports attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS}; got {implementation!r} "
+                "(depth entries join the softmax, so other attention kernels cannot be used)"
+            )
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hq, T, d)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, T, d)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, T, d)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        own_entry = (key_states, value_states)
+
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+        # Differs from Llama: the token's own depth entries join the softmax.
+        depth_k = stack_depth(depth_keys, own_entry[0])  # (B, Hkv, T, M, d)
+        depth_v = stack_depth(depth_values, own_entry[1])
+        attn_output = moda_attention(
+            query_states, key_states, value_states, depth_k, depth_v,
+            attention_mask=attention_mask, scale=self.scaling, causal=True,
+        )  # (B, Hq, T, d)
+        attn_weights = None
+        if output_attentions:
+            with torch.no_grad():
+                probs = moda_joint_probs(query_states, key_states, depth_k, attention_mask, self.scaling, True)
+            attn_weights = probs.flatten(1, 2)  # (B, Hq, T, S + M)
+
+        attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights, own_entry
+
+
+def rotate_depth_key(key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE for a depth key [B, Hkv, T, d] at its own token's position (cos, sin: [B, T, d])."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return key * cos + rotate_half(key) * sin
+
+
+class MoDADecoderLayer(GradientCheckpointingLayer):
+    """A Llama block with MoDA attention, an optional FFN-side depth K/V write, and pre- or post-norm.
+
+    ``norm_position="pre"`` (Llama): ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))`` with
+    ``norm1 = input_layernorm``, ``norm2 = post_attention_layernorm``.
+    ``norm_position="post"``: ``h = post_attention_layernorm(x + attn(x));
+    y = post_feedforward_layernorm(h + mlp(h))``.
+    The FFN input (``norm2(h)`` or ``h``) is what ``ffn_kv_proj`` projects.
+
+    Returns ``(hidden_states [B, T, D], new_keys, new_values)``: the entries this layer appends to
+    the depth stream, each [B, Hkv, T, d] (one or two of them).
+    """
+
+    def __init__(self, config: MoDAConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.norm_position = config.norm_position
+        self.self_attn = MoDAAttention(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(config)
+        if config.norm_position == "pre":
+            self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:
+            self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.num_key_value_heads = config.num_key_value_heads
+        self.head_dim = self.self_attn.head_dim
+        # Differs from Llama: the FFN-side depth K/V ("Extra FFN KV Proj."), laid out [Hkv, 2, d].
+        # The last layer has none: no later layer would read its entry.
+        self.writes_ffn_kv = config.moda_ffn_kv and layer_idx < config.num_hidden_layers - 1
+        if self.writes_ffn_kv:
+            self.ffn_kv_proj = nn.Linear(
+                config.hidden_size, 2 * config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+            )
+
+    def ffn_entry(self, ffn_input: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The FFN-side depth K/V of ``ffn_input`` [B, T, D]: key (post-RoPE) and value, each [B, Hkv, T, d]."""
+        batch, tokens, _ = ffn_input.shape
+        kv = self.ffn_kv_proj(ffn_input).view(batch, tokens, self.num_key_value_heads, 2, self.head_dim)
+        key, value = kv.unbind(dim=3)  # (B, T, Hkv, d) each
+        return rotate_depth_key(key.transpose(1, 2), cos, sin), value.transpose(1, 2)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        depth_keys: tuple[torch.Tensor, ...] = (),
+        depth_values: tuple[torch.Tensor, ...] = (),
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        pre_norm = self.norm_position == "pre"
+        residual = hidden_states
+        if pre_norm:
+            hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _, (attn_key, attn_value) = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            depth_keys=depth_keys,
+            depth_values=depth_values,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        if pre_norm:
+            residual = hidden_states
+            ffn_input = self.post_attention_layernorm(hidden_states)
+        else:
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            residual = ffn_input = hidden_states
+        hidden_states = residual + self.mlp(ffn_input)
+        if not pre_norm:
+            hidden_states = self.post_feedforward_layernorm(hidden_states)
+
+        new_keys, new_values = (attn_key,), (attn_value,)
+        if self.writes_ffn_kv:
+            ffn_key, ffn_value = self.ffn_entry(ffn_input, *position_embeddings)
+            new_keys, new_values = (attn_key, ffn_key), (attn_value, ffn_value)
+        return hidden_states, new_keys, new_values
+
+
+class MoDAPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and the transformers capabilities shared by MoDA models."""
+
+    config: MoDAConfig
+    config_class = MoDAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MoDADecoderLayer"]
+    # Differs from Llama: depth entries join the softmax, so only our own op runs the attention;
+    # "eager" and "sdpa" select the mask format (additive float or bool / None).
+    _supports_flash_attn = False
+    _supports_sdpa = True
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_compile_fullgraph = False
+    _can_record_outputs = {
+        "hidden_states": MoDADecoderLayer,
+        "attentions": MoDAAttention,
+    }
+
+
+class MoDAModel(MoDAPreTrainedModel):
+    """The MoDA decoder stack: embeddings, MoDA blocks sharing one per-token depth stream, final norm.
+
+    Returns ``BaseModelOutputWithPast`` whose ``last_hidden_state`` is [B, T, D]. With
+    ``output_attentions=True`` each layer's ``attentions`` entry is the joint softmax
+    [B, Hq, T, S + M_l]: the first S columns are the sequence pool, the last M_l the depth entries.
+    """
+
+    def __init__(self, config: MoDAConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [MoDADecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        """Run the decoder.
+
+        Args:
+            input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
+            attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
+            position_ids: [B, T]; by default continue from the cache length.
+            cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
+            use_cache: build a ``DynamicCache`` when none is given.
+        """
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
+
+        # Differs from Llama: the per-token depth stream, rebuilt for the processed tokens on every call.
+        # Tuples (not lists) go to the layers so that a checkpointed layer recomputes on the same entries.
+        depth_keys: tuple[torch.Tensor, ...] = ()
+        depth_values: tuple[torch.Tensor, ...] = ()
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states, new_keys, new_values = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                depth_keys=depth_keys,
+                depth_values=depth_values,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                **kwargs,
+            )
+            depth_keys, depth_values = depth_keys + new_keys, depth_values + new_values
+
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    @torch.no_grad()
+    def depth_attention_share(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        per_head: bool = False,
+    ) -> torch.Tensor:
+        """Share of attention mass on depth entries, per layer: the paper's attention-sink analysis.
+
+        Args:
+            input_ids: [B, T].
+            attention_mask: [B, T] padding mask (1 = real token); padded query tokens are not counted.
+            per_head: return one value per query head.
+        Returns:
+            [L] (or [L, Hq]) float32 in [0, 1], the mean over real tokens (and heads) of the softmax mass
+            on the token's depth entries. Layer 0 has no depth entries, so its share is 0.
+        """
+        outputs = self(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_attentions=True)
+        seq_len = input_ids.shape[1]
+        valid = torch.ones_like(input_ids, dtype=torch.float32) if attention_mask is None else attention_mask.float()
+        valid = valid[:, None, :]  # (B, 1, T)
+        shares = []
+        for weights in outputs.attentions:  # (B, Hq, T, S + M)
+            depth_mass = weights[..., seq_len:].float().sum(dim=-1)  # (B, Hq, T)
+            per_head_share = (depth_mass * valid).sum(dim=(0, 2)) / valid.sum(dim=(0, 2)).clamp_min(1.0)
+            shares.append(per_head_share if per_head else per_head_share.mean())
+        return torch.stack(shares)
+
+
+class MoDAForCausalLM(MoDAPreTrainedModel, GenerationMixin):
+    """MoDA with a language-modelling head; works with ``generate()`` and the ordinary ``DynamicCache``.
+
+    Example:
+        >>> from depthfusion_hf import MoDAConfig, MoDAForCausalLM
+        >>> model = MoDAForCausalLM(MoDAConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+        >>> model.depth_attention_share(torch.randint(0, 100, (1, 8))).shape
+        torch.Size([4])
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: MoDAConfig):
+        super().__init__(config)
+        self.model = MoDAModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def depth_attention_share(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, per_head: bool = False
+    ) -> torch.Tensor:
+        """Per-layer share of attention mass on depth entries: [L] (or [L, Hq]); see :meth:`MoDAModel.depth_attention_share`."""
+        return self.model.depth_attention_share(input_ids, attention_mask=attention_mask, per_head=per_head)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        """Next-token logits [B, T, V] (and the shifted cross-entropy loss when ``labels`` [B, T] are given)."""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["MoDAForCausalLM", "MoDAModel", "MoDAPreTrainedModel", "MoDADecoderLayer", "MoDAAttention"]
