@@ -4,9 +4,10 @@ Importing the package registers every model type with ``AutoConfig``, ``AutoMode
 auto classes, so ``AutoModelForCausalLM.from_pretrained(folder)`` works without remote code.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
+from .models.dwatt import DWAttConfig, DWAttForTokenClassification
 from .models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
 
 __version__ = "0.1.0"
@@ -21,6 +22,9 @@ def _register(config_cls, base_cls, task_auto, task_cls) -> None:
 
 _register(DenseFormerConfig, DenseFormerModel, AutoModelForCausalLM, DenseFormerForCausalLM)
 _register(MoDAConfig, MoDAModel, AutoModelForCausalLM, MoDAForCausalLM)
+# DWAtt has no base model of its own (the encoder is a transformers model), so no AutoModel entry.
+AutoConfig.register(DWAttConfig.model_type, DWAttConfig, exist_ok=True)
+AutoModelForTokenClassification.register(DWAttConfig, DWAttForTokenClassification, exist_ok=True)
 
 __all__ = [
     "DenseFormerConfig",
@@ -29,4 +33,6 @@ __all__ = [
     "MoDAConfig",
     "MoDAForCausalLM",
     "MoDAModel",
+    "DWAttConfig",
+    "DWAttForTokenClassification",
 ]

@@ -1,0 +1,213 @@
+"""DWAtt for token classification: any HF encoder + a layer-fusion head (arXiv 2209.15168).
+
+    z_0..z_L = embedding output and each layer's output of the encoder   (N = L + 1 states, [B, T, D])
+    h        = fusion(z_0..z_L)         "dwatt" | "concat" | "deeper" | "last" (h = z_L)
+    logits   = classifier(dropout(h))   [B, T, num_labels]
+
+The encoder is whatever ``AutoModel.from_config(config.backbone_config)`` builds, so the class it
+comes from is transformers' own and the remote-code export needs only this folder. The DWAtt
+equations come from a secondary source (see ``fusion_dwatt.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModel
+from transformers import initialization as init
+from transformers.modeling_outputs import TokenClassifierOutput
+from transformers.modeling_utils import PreTrainedModel
+
+from .configuration_dwatt import DWAttConfig
+from .fusion_dwatt import DWAttConcatFusion, DWAttDeeperFusion, DWAttDepthAttention
+
+
+@dataclass
+class DWAttTokenClassifierOutput(TokenClassifierOutput):
+    """``TokenClassifierOutput`` plus the DWAtt depth-attention weights.
+
+    Args:
+        depth_attentions (`torch.FloatTensor` [B, T, L + 1], *optional*): per token, the softmax weights
+            ``a_n`` over the states ``z_0..z_L`` (each row sums to 1). Returned with
+            ``output_depth_attentions=True`` when ``fusion == "dwatt"``; ``None`` otherwise.
+    """
+
+    depth_attentions: torch.FloatTensor | None = None
+
+
+class DWAttPreTrainedModel(PreTrainedModel):
+    """Weight initialisation of the fusion head and classifier; the encoder initialises itself."""
+
+    config: DWAttConfig
+    config_class = DWAttConfig
+    base_model_prefix = "backbone"
+    supports_gradient_checkpointing = True
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # The backbone is a PreTrainedModel, so transformers dispatches its modules to its own
+        # `_init_weights`; this one only sees the head. The `init.*` functions skip parameters that were
+        # loaded (flagged `_is_hf_initialized`), so a pretrained backbone or checkpoint is never touched.
+        std = self.config.initializer_range or getattr(self.config.backbone_config, "initializer_range", None) or 0.02
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, nn.MultiheadAttention):
+            init.normal_(module.in_proj_weight, mean=0.0, std=std)
+            init.zeros_(module.in_proj_bias)
+        elif isinstance(module, DWAttDepthAttention):
+            init.normal_(module.depth_embeddings, mean=0.0, std=std)
+
+
+class DWAttForTokenClassification(DWAttPreTrainedModel):
+    """An encoder with a layer-fusion head and a token classifier.
+
+    ``fusion="last"`` is the ordinary ``*ForTokenClassification`` baseline; ``"dwatt"`` is depth-wise
+    attention; ``"concat"`` and ``"deeper"`` are the paper's baselines, sized to the DWAtt head's
+    parameter count (``config.fusion_num_params()``).
+
+    Example:
+        >>> model = DWAttForTokenClassification.from_pretrained_backbone(
+        ...     "path/to/encoder", fusion="dwatt", id2label={0: "O", 1: "B-PER", 2: "I-PER"})
+        >>> out = model(**batch, output_depth_attentions=True)
+        >>> out.logits.shape, out.depth_attentions.shape  # [B, T, 3], [B, T, L + 1]
+    """
+
+    def __init__(self, config: DWAttConfig, backbone: PreTrainedModel | None = None):
+        """Build the model; pass ``backbone`` (an ``AutoModel`` matching ``config.backbone_config``) to reuse
+        loaded weights, otherwise a randomly initialised one is built from the config."""
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.backbone = backbone if backbone is not None else AutoModel.from_config(config.backbone_config)
+        if getattr(self.backbone, "pooler", None) is not None:
+            self.backbone.pooler = None  # unused by token classification (as in BertForTokenClassification)
+        if config.fusion == "dwatt":
+            self.fusion = DWAttDepthAttention(config)
+        elif config.fusion == "concat":
+            self.fusion = DWAttConcatFusion(config)
+        elif config.fusion == "deeper":
+            self.fusion = DWAttDeeperFusion(config)
+        else:
+            self.fusion = None  # "last"
+        dropout = config.classifier_dropout
+        if dropout is None:
+            dropout = getattr(config.backbone_config, "hidden_dropout_prob", 0.1) or 0.0
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @classmethod
+    def from_pretrained_backbone(
+        cls,
+        pretrained_model_name_or_path: str,
+        fusion: str = "dwatt",
+        num_labels: int | None = None,
+        id2label: dict[int, str] | None = None,
+        label2id: dict[str, int] | None = None,
+        backbone_kwargs: dict | None = None,
+        **config_kwargs,
+    ) -> DWAttForTokenClassification:
+        """Load a pretrained encoder (Hub id or folder) with ``AutoModel`` and add a fresh fusion head and classifier.
+
+        ``config_kwargs`` go to ``DWAttConfig`` (e.g. ``depth_embedding_size``, ``classifier_dropout``);
+        ``backbone_kwargs`` to ``AutoModel.from_pretrained``. Only the head is initialised.
+        """
+        backbone = AutoModel.from_pretrained(pretrained_model_name_or_path, **(backbone_kwargs or {}))
+        labels: dict = {}
+        if id2label is not None:
+            labels["id2label"] = {int(i): str(label) for i, label in id2label.items()}
+            labels["label2id"] = label2id or {label: int(i) for i, label in id2label.items()}
+        elif num_labels is not None:
+            labels["num_labels"] = num_labels
+        config = DWAttConfig(backbone_config=backbone.config, fusion=fusion, **labels, **config_kwargs)
+        return cls(config, backbone=backbone)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.backbone.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.backbone.set_input_embeddings(value)
+
+    def fusion_num_parameters(self) -> int:
+        """Parameters of the fusion head alone (0 for ``"last"``); the classifier is not counted."""
+        return 0 if self.fusion is None else sum(p.numel() for p in self.fusion.parameters())
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        output_depth_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> DWAttTokenClassifierOutput | tuple:
+        """Token logits [B, T, num_labels] (and the mean cross-entropy over labels != -100 when ``labels`` [B, T]).
+
+        Args:
+            input_ids / inputs_embeds: [B, T] ids or [B, T, D] embeddings, as the backbone accepts.
+            attention_mask, token_type_ids, position_ids: [B, T]; passed to the backbone when given.
+            output_depth_attentions: also return the DWAtt weights [B, T, L + 1] (``fusion == "dwatt"``).
+            output_hidden_states: also return the backbone's L + 1 hidden states.
+            kwargs: other backbone arguments (e.g. ``output_attentions``); ``num_items_in_batch``
+                (from the ``Trainer``) goes to the loss.
+        """
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
+                  "position_ids": position_ids, "inputs_embeds": inputs_embeds}
+        outputs = self.backbone(
+            **{name: value for name, value in inputs.items() if value is not None},
+            output_hidden_states=True,
+            return_dict=True,
+            **kwargs,
+        )
+        states = list(outputs.hidden_states)  # z_0..z_L, each (B, T, D)
+        if len(states) != self.config.num_states:
+            raise ValueError(
+                f"the backbone returned {len(states)} hidden states; expected num_hidden_layers + 1 = "
+                f"{self.config.num_states}"
+            )
+        # z_L is the backbone's final output (equal to hidden_states[-1] for BERT-like encoders; it also
+        # covers encoders that normalise after their last layer).
+        states[-1] = outputs.last_hidden_state
+
+        depth_attentions = None
+        if self.config.fusion == "dwatt":
+            fused, weights = self.fusion(states)
+            depth_attentions = weights if output_depth_attentions else None
+        elif self.config.fusion == "concat":
+            fused = self.fusion(states)
+        elif self.config.fusion == "deeper":
+            fused = self.fusion(states[-1], attention_mask)
+        else:
+            fused = states[-1]
+        logits = self.classifier(self.dropout(fused))  # (B, T, num_labels)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config, num_items_in_batch=num_items_in_batch)
+        result = DWAttTokenClassifierOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states if output_hidden_states else None,
+            attentions=outputs.attentions,
+            depth_attentions=depth_attentions,
+        )
+        return result if return_dict is not False else result.to_tuple()
+
+
+__all__ = ["DWAttForTokenClassification", "DWAttPreTrainedModel", "DWAttTokenClassifierOutput"]
