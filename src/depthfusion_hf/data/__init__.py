@@ -1,0 +1,26 @@
+"""Data utilities: CoNLL/IOB reading, few-shot sampling, WNUT-16 splits, Hub NER sets, label alignment."""
+
+from .alignment import align_first_subword, build_label_list, tokenize_and_align, word_predictions
+from .conll import ConllFormatError, read_conll, to_iob2
+from .fewshot import TrainingSize, count_entities, parse_size, sample_kshot, sample_sentences
+from .hub import load_hub_ner, sentences_from_hf_split
+from .wnut import load_wnut16, wnut16_path
+
+__all__ = [
+    "ConllFormatError",
+    "TrainingSize",
+    "align_first_subword",
+    "build_label_list",
+    "count_entities",
+    "load_hub_ner",
+    "load_wnut16",
+    "parse_size",
+    "read_conll",
+    "sample_kshot",
+    "sample_sentences",
+    "sentences_from_hf_split",
+    "to_iob2",
+    "tokenize_and_align",
+    "wnut16_path",
+    "word_predictions",
+]

@@ -1,0 +1,89 @@
+"""Seeded few-shot samplers: N random sentences, or K shots per entity type (greedy, Yang & Katiyar 2020)."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+Sentence = dict[str, list[str]]
+
+
+@dataclass(frozen=True)
+class TrainingSize:
+    """A training-set size: ``kind`` is ``"sentences"`` (N random sentences) or ``"kshot"`` (K per entity type)."""
+
+    kind: str
+    value: int
+
+    @property
+    def label(self) -> str:
+        """``"50"`` for 50 sentences, ``"5-shot"`` for K = 5."""
+        return str(self.value) if self.kind == "sentences" else f"{self.value}-shot"
+
+
+def parse_size(spec: str | int) -> TrainingSize:
+    """Parse ``"50"`` / ``50`` (sentences) or ``"5shot"`` / ``"5-shot"`` (K shots per entity type).
+
+    Raises ValueError for anything else, or for a value < 1.
+    """
+    text = str(spec).strip().lower()
+    match = re.fullmatch(r"(\d+)(-?shot)?", text)
+    if match is None or int(match.group(1)) < 1:
+        raise ValueError(f"training size must be a positive integer N or 'K-shot' (e.g. 50, 5-shot); got {spec!r}")
+    return TrainingSize("kshot" if match.group(2) else "sentences", int(match.group(1)))
+
+
+def count_entities(sentences: list[Sentence]) -> Counter:
+    """Entity mentions per type (one per ``B-`` tag of IOB2 tags) over ``sentences``."""
+    counts: Counter = Counter()
+    for sentence in sentences:
+        counts.update(tag[2:] for tag in sentence["ner_tags"] if tag.startswith("B-"))
+    return counts
+
+
+def sample_sentences(sentences: list[Sentence], n: int, seed: int) -> list[Sentence]:
+    """``n`` distinct sentences drawn uniformly with ``random.Random(seed)`` (same seed, same sample)."""
+    if not 1 <= n <= len(sentences):
+        raise ValueError(f"cannot sample n={n} sentences from a pool of {len(sentences)}")
+    return [sentences[i] for i in random.Random(seed).sample(range(len(sentences)), n)]
+
+
+def sample_kshot(sentences: list[Sentence], k: int, seed: int, entity_types: list[str] | None = None) -> list[Sentence]:
+    """A K-shot support set: every entity type has at least ``k`` mentions, and no sentence is redundant.
+
+    Greedy sampling of Yang & Katiyar (2020): visit the sentences in a ``random.Random(seed)`` order and
+    keep one when it mentions a type that still has fewer than ``k`` mentions; then drop every kept
+    sentence whose removal leaves all types at ``>= k``. Sentences without entities are never chosen.
+    ``entity_types`` defaults to all types in ``sentences``.
+
+    Raises ValueError when the pool holds fewer than ``k`` mentions of some type.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1; got {k}")
+    types = sorted(entity_types if entity_types is not None else count_entities(sentences))
+    available = count_entities(sentences)
+    short = [t for t in types if available[t] < k]
+    if short:
+        raise ValueError(f"the pool has fewer than k={k} mentions of {short}")
+    order = list(range(len(sentences)))
+    random.Random(seed).shuffle(order)
+    counts: Counter = Counter()
+    chosen: list[int] = []
+    for index in order:
+        mentions = count_entities([sentences[index]])
+        if any(counts[t] < k for t in mentions if t in types):
+            chosen.append(index)
+            counts.update(mentions)
+            if all(counts[t] >= k for t in types):
+                break
+    for index in list(chosen):  # removal pass: drop sentences the others make redundant
+        mentions = count_entities([sentences[index]])
+        if all(counts[t] - mentions[t] >= k for t in types):
+            chosen.remove(index)
+            counts.subtract(mentions)
+    return [sentences[i] for i in chosen]
+
+
+__all__ = ["TrainingSize", "count_entities", "parse_size", "sample_kshot", "sample_sentences"]
