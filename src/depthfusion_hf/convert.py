@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM
+from .models.moda import MoDAConfig, MoDAForCausalLM
 
 
 def load_llama(model_or_path: LlamaForCausalLM | str | os.PathLike, **load_kwargs) -> LlamaForCausalLM:
@@ -77,4 +78,80 @@ def llama_to_denseformer(
     return model
 
 
+FFN_KV_INITS = ("zero", "zero_value", "copy_kv")
+
+
+@torch.no_grad()
+def init_ffn_kv_from_llama(model: MoDAForCausalLM, rule: str) -> None:
+    """Initialise every ``ffn_kv_proj`` [2 * Hkv * d, D] (rows laid out [Hkv, 2, d]) by ``rule``.
+
+    - ``"zero"``: key and value rows 0. Each FFN entry has logit 0 and value 0: it adds ``exp(0)`` to
+      the softmax denominator and nothing to the output (an attention sink of fixed logit 0).
+    - ``"zero_value"``: key rows copied from the layer's ``k_proj``, value rows 0.
+    - ``"copy_kv"``: key and value rows copied from the layer's ``k_proj`` / ``v_proj``, i.e. the entry is
+      what the layer's attention would write for the FFN input.
+    """
+    if rule not in FFN_KV_INITS:
+        raise ValueError(f"ffn_kv_init must be one of {FFN_KV_INITS}; got {rule!r}")
+    for layer in model.model.layers:
+        if not layer.writes_ffn_kv:
+            continue
+        weight = layer.ffn_kv_proj.weight.view(layer.num_key_value_heads, 2, layer.head_dim, -1)
+        weight.zero_()
+        attn = layer.self_attn
+        if rule in ("zero_value", "copy_kv"):
+            weight[:, 0].copy_(attn.k_proj.weight.view(layer.num_key_value_heads, layer.head_dim, -1))
+        if rule == "copy_kv":
+            weight[:, 1].copy_(attn.v_proj.weight.view(layer.num_key_value_heads, layer.head_dim, -1))
+        if layer.ffn_kv_proj.bias is not None:
+            bias = layer.ffn_kv_proj.bias.view(layer.num_key_value_heads, 2, layer.head_dim)
+            bias.zero_()
+            if rule in ("zero_value", "copy_kv"):
+                bias[:, 0].copy_(attn.k_proj.bias.view(layer.num_key_value_heads, layer.head_dim))
+            if rule == "copy_kv":
+                bias[:, 1].copy_(attn.v_proj.bias.view(layer.num_key_value_heads, layer.head_dim))
+
+
+def llama_to_moda(
+    model_or_path: LlamaForCausalLM | str | os.PathLike,
+    moda_ffn_kv: bool = True,
+    ffn_kv_init: str = "zero",
+    **load_kwargs,
+) -> MoDAForCausalLM:
+    """Convert a ``LlamaForCausalLM`` (object, folder or Hub id) into a pre-norm MoDA model.
+
+    Every Llama weight is copied under the same name. Unlike DenseFormer, the converted model is *not*
+    equal to the Llama: each layer's softmax now also covers the token's own attention K/V from every
+    earlier layer (reused weights, nothing to switch off), so the logits move; continue pre-training.
+    The new FFN-side projections follow ``ffn_kv_init`` (see :func:`init_ffn_kv_from_llama`; the
+    rules move the logits about equally, see docs/MODA.md).
+
+    Args:
+        model_or_path: the Llama model, or anything ``LlamaForCausalLM.from_pretrained`` accepts.
+        moda_ffn_kv: add the FFN-side depth K/V projections.
+        ffn_kv_init: ``"zero"``, ``"zero_value"`` or ``"copy_kv"``.
+        load_kwargs: passed to ``from_pretrained`` when a path is given.
+    Returns:
+        A ``MoDAForCausalLM`` (``norm_position="pre"``, as Llama) on the Llama's device and dtype, in
+        eval mode if the Llama was.
+    """
+    if ffn_kv_init not in FFN_KV_INITS:
+        raise ValueError(f"ffn_kv_init must be one of {FFN_KV_INITS}; got {ffn_kv_init!r}")
+    llama = load_llama(model_or_path, **load_kwargs)
+    fields = llama_config_fields(llama.config)
+    config = MoDAConfig(**fields, moda_ffn_kv=moda_ffn_kv, norm_position="pre")
+    attn_implementation = llama.config._attn_implementation
+    config._attn_implementation = attn_implementation if attn_implementation in ("eager", "sdpa") else "sdpa"
+    parameter = next(llama.parameters())
+    model = MoDAForCausalLM(config).to(device=parameter.device, dtype=parameter.dtype)
+    new_keys = tuple(f"model.layers.{i}.ffn_kv_proj." for i in range(config.num_hidden_layers))
+    copy_llama_weights(llama, model, new_keys=new_keys)
+    init_ffn_kv_from_llama(model, ffn_kv_init)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.train(llama.training)
+    return model
+
+
 __all__ = ["llama_to_denseformer", "load_llama", "copy_llama_weights", "llama_config_fields"]
+__all__ += ["llama_to_moda", "init_ffn_kv_from_llama", "FFN_KV_INITS"]
