@@ -1,0 +1,202 @@
+"""The fused Triton MoDA attention against ``moda_attention(..., backend="reference")``.
+
+Values and the gradients of q, k, v, depth_k, depth_v; fp32 and bf16 (fp16 once); T = 1, 7, 15, 33;
+d = 16, 24 (not a power of two), 32; M = 0, 1, 5; S > T (decoding); GQA (G = 2, 3) and MHA;
+causal and not; bool padding masks and additive per-head masks; rows with no visible key;
+non-contiguous inputs; default tiles and small tiles (several query / KV / depth blocks, partial
+blocks, the causal diagonal inside a block).
+
+Runs in-process on CUDA, or on CPU when ``TRITON_INTERPRET=1`` was set before the kernels were
+imported; a plain CPU ``pytest`` run executes this module in an interpreted child process
+(``test_moda_triton_interpreted.py``) and skips it here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from tests.kernels.interpret import kernels_run_in_process
+
+if not kernels_run_in_process():
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1 (run through test_moda_triton_interpreted.py)",
+                allow_module_level=True)
+
+from depthfusion_hf.models.moda import moda_triton  # noqa: E402
+from depthfusion_hf.models.moda.moda_attention import moda_attention  # noqa: E402
+from depthfusion_hf.models.moda.moda_triton import triton_moda_attention  # noqa: E402
+
+# The package re-exports the function ``moda_attention`` under the module's name: fetch the module.
+moda_op = importlib.import_module("depthfusion_hf.models.moda.moda_attention")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NAMES = ("out", "dq", "dk", "dv", "ddepth_k", "ddepth_v")
+# Relative RMS error bounds (fla style). fp32: the kernel only reorders fp32 sums. bf16: inputs are
+# the same bf16 values for both sides; the kernel rounds P to bf16 before P @ V (as FlashAttention
+# does) and returns bf16 outputs / gradients, the reference stays in fp32.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref||_2 / max(||ref||_2, tiny): 0 for a perfect match, ~1.4 for an unrelated tensor."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def make_inputs(B: int, Hq: int, Hkv: int, T: int, S: int, M: int, d: int, dtype: torch.dtype, seed: int = 0):
+    """q [B, Hq, T, d], k/v [B, Hkv, S, d], depth_k/depth_v [B, Hkv, T, M, d], leaf tensors on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype).requires_grad_()
+
+    return leaf(B, Hq, T, d), leaf(B, Hkv, S, d), leaf(B, Hkv, S, d), leaf(B, Hkv, T, M, d), leaf(B, Hkv, T, M, d)
+
+
+def reference(inputs, attention_mask=None, scale=None, causal=True):
+    """The op's reference (plain loops) on fp32 copies of the inputs: (out, grads) as a function of dO."""
+    leaves = [x.detach().float().requires_grad_() for x in inputs]
+    out = moda_attention(*leaves, attention_mask=attention_mask, scale=scale, causal=causal, backend="reference")
+    return out, leaves
+
+
+def check_against_reference(inputs, attention_mask=None, scale=None, causal=True, **blocks):
+    """Run the kernel forward + backward and compare values and all five gradients with the reference."""
+    dtype = inputs[0].dtype
+    out = triton_moda_attention(*inputs, attention_mask, scale, causal, **blocks)
+    assert out.shape == inputs[0].shape and out.dtype == dtype
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+
+    ref_out, leaves = reference(inputs, attention_mask, scale, causal)
+    ref_grads = torch.autograd.grad(ref_out, leaves, grad_out.float())
+    for name, got, want in zip(NAMES, (out, *grads), (ref_out, *ref_grads)):
+        assert got.shape == want.shape, name
+        assert torch.isfinite(got).all(), name
+        if want.numel() == 0:
+            continue
+        err = rel_rms(got, want)
+        assert err < TOL[dtype], f"{name}: relative RMS error {err:.2e} >= {TOL[dtype]:.0e}"
+    return out, grads
+
+
+def test_available_and_wired_into_the_op():
+    assert moda_triton.moda_triton_available()
+    assert moda_op.triton_moda_attention is triton_moda_attention
+    assert moda_op.resolve_backend(None, torch.device(DEVICE)) == ("triton" if DEVICE == "cuda" else "torch")
+
+
+# (B, Hq, Hkv, T, S, M, d)
+SHAPES = [
+    (1, 2, 2, 1, 1, 1, 16),  # T = S = 1, MHA
+    (2, 4, 2, 1, 9, 5, 24),  # decoding step: T = 1, S > T, GQA, d not a power of two
+    (2, 4, 2, 7, 7, 0, 32),  # M = 0: plain causal attention
+    (1, 4, 2, 15, 20, 5, 24),  # S > T (chunked prefill)
+    (1, 6, 2, 7, 12, 1, 16),  # G = 3 (padded to 4 rows per token)
+    (1, 2, 1, 33, 33, 2, 32),  # T = 33
+]
+SHAPE_IDS = [f"B{b}-H{hq}x{hkv}-T{t}-S{s}-M{m}-d{d}" for b, hq, hkv, t, s, m, d in SHAPES]
+# Small tiles: several query / KV / depth blocks, partial last blocks, the causal diagonal inside a block.
+BLOCKS = {"default": {}, "small": {"block_t": 4, "block_s": 16}}
+
+
+@pytest.mark.parametrize("blocks", list(BLOCKS), ids=list(BLOCKS))
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_fp32_matches_reference(shape, blocks):
+    check_against_reference(make_inputs(*shape, torch.float32), **BLOCKS[blocks])
+
+
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], SHAPES[4]], ids=[SHAPE_IDS[1], SHAPE_IDS[3], SHAPE_IDS[4]])
+def test_bf16_matches_reference(shape):
+    check_against_reference(make_inputs(*shape, torch.bfloat16), block_t=4, block_s=16)
+
+
+def test_fp16_matches_reference():
+    check_against_reference(make_inputs(1, 4, 2, 15, 20, 5, 24, torch.float16), block_t=4, block_s=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bool_padding_mask(dtype):
+    """Left padding as the model builds it: [B, 1, 1, S] bool, batch row 0 padded on its first 6 keys."""
+    B, Hq, Hkv, T, S, M, d = 2, 4, 2, 15, 20, 1, 24
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=DEVICE)
+    mask[0, ..., :6] = False
+    check_against_reference(make_inputs(B, Hq, Hkv, T, S, M, d, dtype), attention_mask=mask,
+                            block_t=4, block_s=16)
+
+
+def test_additive_per_head_mask_non_causal_custom_scale():
+    """Additive float mask [B, Hq, T, S] (different per head, some -inf), causal=False, scale != 1/sqrt(d)."""
+    B, Hq, Hkv, T, S, M, d = 1, 4, 2, 7, 12, 3, 16
+    g = torch.Generator().manual_seed(3)
+    mask = torch.randn(B, Hq, T, S, generator=g)
+    mask[torch.rand(B, Hq, T, S, generator=g) < 0.3] = float("-inf")
+    check_against_reference(make_inputs(B, Hq, Hkv, T, S, M, d, torch.float32), attention_mask=mask.to(DEVICE),
+                            scale=0.3, causal=False, block_t=4, block_s=16)
+
+
+def test_rows_without_visible_keys():
+    """M = 0 and a fully masked row gives zeros and zero gradients; with M > 0 the same row reads only depth."""
+    B, Hq, Hkv, T, S, d = 1, 2, 1, 7, 7, 16
+    mask = torch.ones(1, 1, T, S, dtype=torch.bool, device=DEVICE)
+    mask[..., 2, :] = False
+    inputs = make_inputs(B, Hq, Hkv, T, S, 0, d, torch.float32)
+    out, grads = check_against_reference(inputs, attention_mask=mask)
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    assert torch.equal(grads[0][:, :, 2], torch.zeros_like(grads[0][:, :, 2]))
+
+    inputs = make_inputs(B, Hq, Hkv, T, S, 2, d, torch.float32)
+    out, _ = check_against_reference(inputs, attention_mask=mask)
+    q, depth_k, depth_v = inputs[0], inputs[3], inputs[4]
+    probs = torch.softmax((q[0, :, 2] @ depth_k[0, 0, 2].T) / math.sqrt(d), dim=-1)  # (Hq, M)
+    torch.testing.assert_close(out[0, :, 2], probs @ depth_v[0, 0, 2], rtol=1e-5, atol=1e-5)
+
+
+def test_non_contiguous_inputs():
+    """The model passes transposed views ([B, T, H, d] -> [B, H, T, d]); strides are read, not assumed."""
+    B, Hq, Hkv, T, S, M, d = 1, 4, 2, 7, 9, 2, 24
+    g = torch.Generator().manual_seed(5)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(DEVICE).requires_grad_()
+
+    q_, k_, v_ = leaf(B, T, Hq, d), leaf(B, S, Hkv, d), leaf(B, S, Hkv, d)
+    dk_, dv_ = leaf(B, T, M, Hkv, d), leaf(B, T, M, Hkv, d)
+    views = (q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2),
+             dk_.permute(0, 3, 1, 2, 4), dv_.permute(0, 3, 1, 2, 4))
+    assert not any(x.is_contiguous() for x in views)
+    out = triton_moda_attention(*views, None, None, True, block_t=4, block_s=16)
+    ref = moda_attention(*views, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grad_out = torch.randn(out.shape, generator=g).to(DEVICE)
+    got = torch.autograd.grad(out, (q_, k_, v_, dk_, dv_), grad_out)
+    want = torch.autograd.grad(ref, (q_, k_, v_, dk_, dv_), grad_out)
+    for name, a, b in zip(NAMES[1:], got, want):
+        assert rel_rms(a, b) < TOL[torch.float32], name
+
+
+def test_dispatch_through_moda_attention_and_float64_fallback():
+    inputs = make_inputs(1, 4, 2, 7, 9, 2, 16, torch.float32)
+    out = moda_attention(*inputs, backend="triton")
+    torch.testing.assert_close(out, moda_attention(*inputs, backend="torch"), rtol=1e-5, atol=1e-5)
+    # float64 has no tensor-core kernel: triton_moda_attention computes it with the PyTorch path.
+    inputs64 = [x.detach().double().requires_grad_() for x in inputs]
+    out64 = triton_moda_attention(*inputs64, None, None, True)
+    assert out64.dtype == torch.float64
+    torch.testing.assert_close(out64, moda_attention(*inputs64, backend="reference"))
+
+
+def test_comparison_detects_wrong_semantics():
+    """The checks above can fail: dropping depth entries, causality or GQA mapping moves the output."""
+    B, Hq, Hkv, T, S, M, d = 1, 4, 2, 7, 9, 2, 16
+    q, k, v, dk, dv = make_inputs(B, Hq, Hkv, T, S, M, d, torch.float32)
+    out = triton_moda_attention(q, k, v, dk, dv, None, None, True).detach()
+    ref = moda_attention(q, k, v, dk, dv, backend="reference").detach()
+    assert rel_rms(out, ref) < TOL[torch.float32]
+    no_depth = moda_attention(q, k, v, dk[:, :, :, :0], dv[:, :, :, :0], backend="reference").detach()
+    non_causal = moda_attention(q, k, v, dk, dv, causal=False, backend="reference").detach()
+    swapped_heads = moda_attention(q, k.flip(1), v.flip(1), dk.flip(1), dv.flip(1), backend="reference").detach()
+    for wrong in (no_depth, non_causal, swapped_heads):
+        assert rel_rms(out, wrong) > 100 * TOL[torch.float32]
