@@ -1,0 +1,42 @@
+"""Tiny MoDA/Llama configs shared by the MoDA tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig
+
+from depthfusion_hf import MoDAConfig, MoDAForCausalLM
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_config(**overrides) -> MoDAConfig:
+    """A 4-layer MoDA config with GQA (4 query heads, 2 KV heads, d = 12), small enough for fast CPU tests."""
+    return MoDAConfig(**{**TINY, **overrides})
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """The Llama config matching :func:`tiny_config`."""
+    return LlamaConfig(**{**TINY, **overrides})
+
+
+def tiny_model(seed: int = 0, **overrides) -> MoDAForCausalLM:
+    """A seeded tiny MoDA model in eval mode, with weights scaled up so attention is far from uniform."""
+    torch.manual_seed(seed)
+    model = MoDAForCausalLM(tiny_config(**overrides)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "ffn_kv_proj.weight")):
+                param.mul_(8.0)
+    return model

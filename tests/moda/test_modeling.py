@@ -1,0 +1,189 @@
+"""MoDA model: depth-stream wiring, RoPE convention, masks, save/load, checkpointing, dtypes, validation."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import depthfusion_hf.models.moda.modeling_moda as modeling_moda
+from depthfusion_hf import MoDAConfig, MoDAForCausalLM, MoDAModel
+
+from .helpers import TINY, tiny_config, tiny_llama_config, tiny_model
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+@pytest.mark.parametrize("ffn_kv", [True, False])
+def test_layers_read_all_earlier_entries_of_their_token(monkeypatch, norm_position, ffn_kv):
+    model = tiny_model(moda_ffn_kv=ffn_kv, norm_position=norm_position)
+    seen = []
+    real = modeling_moda.moda_attention
+
+    def spy(q, k, v, depth_k, depth_v, **kwargs):
+        seen.append(depth_k)
+        return real(q, k, v, depth_k, depth_v, **kwargs)
+
+    monkeypatch.setattr(modeling_moda, "moda_attention", spy)
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+    per_layer = 2 if ffn_kv else 1
+    assert [d.shape[3] for d in seen] == [per_layer * layer for layer in range(4)]
+    assert all(d.shape == (2, 2, 9, d.shape[3], 12) for d in seen)
+    # Entry order [attn_0, (ffn_0), attn_1, ...]; attention entries are the post-RoPE keys the cache holds.
+    for layer in range(3):
+        torch.testing.assert_close(seen[3][:, :, :, per_layer * layer], cache.layers[layer].keys)
+    assert [layer.writes_ffn_kv for layer in model.model.layers] == [ffn_kv, ffn_kv, ffn_kv, False]
+    assert not hasattr(model.model.layers[-1], "ffn_kv_proj")
+
+
+def test_single_layer_moda_is_llama():
+    llama = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1)).eval()
+    moda = MoDAForCausalLM(tiny_config(num_hidden_layers=1)).eval()
+    moda.load_state_dict(llama.state_dict())
+    ids = torch.randint(3, 97, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(moda(ids).logits, llama(ids).logits, rtol=1e-5, atol=1e-5)
+        two_layer = MoDAForCausalLM(tiny_config(num_hidden_layers=2)).eval()
+        llama2 = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=2)).eval()
+        two_layer.load_state_dict(llama2.state_dict(), strict=False)
+        assert (two_layer(ids).logits - llama2(ids).logits).abs().max() > 1e-3  # depth entries change layer 2
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_depth_logits_are_position_free(norm_position):
+    # RoPE convention: every depth key is rotated by its own token's position, like the query, so a global
+    # shift of the positions changes nothing (an unrotated FFN key would break this).
+    model = tiny_model(norm_position=norm_position)
+    ids = torch.randint(3, 97, (2, 8))
+    positions = torch.arange(8).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        a = model(ids, position_ids=positions).logits
+        b = model(ids, position_ids=positions + 37).logits
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_no_leak_from_future_tokens():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 10))
+    changed = ids.clone()
+    changed[:, 6:] = torch.randint(3, 97, (1, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits[:, :6], model(changed).logits[:, :6])
+
+
+def test_eager_and_sdpa_agree_with_padding():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    outs = {}
+    for impl in ("eager", "sdpa"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = (model(ids, attention_mask=mask).logits, model(ids).logits)
+    keep = mask.bool()
+    torch.testing.assert_close(outs["eager"][0][keep], outs["sdpa"][0][keep], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["eager"][1], outs["sdpa"][1], rtol=1e-5, atol=1e-5)
+    # Left padding does not change the real tokens of the padded row (positions follow the mask).
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask, position_ids=positions).logits[0, 3:]
+        alone = model(ids[:1, 3:]).logits[0]
+    torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_attention_implementation_raises():
+    model = tiny_model()
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="MoDA supports attn_implementation"):
+        model(torch.randint(3, 97, (1, 4)))
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_save_load_identical_logits(tmp_path, norm_position):
+    model = tiny_model(norm_position=norm_position)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, MoDAForCausalLM) and loaded.config.norm_position == norm_position
+    ids = torch.randint(3, 97, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_gradient_checkpointing_same_grads():
+    model = tiny_model().train()
+    ids = torch.randint(3, 97, (2, 8))
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert model.model.layers[0].gradient_checkpointing
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert grads[0]["model.layers.0.ffn_kv_proj.weight"].abs().max() > 0
+
+
+def test_bf16_forward_and_backward():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 8))
+    with torch.no_grad():
+        reference = model(ids).logits
+    model = model.to(torch.bfloat16).train()
+    out = model(ids, labels=ids)
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
+    out.loss.backward()
+    assert torch.isfinite(model.model.layers[0].ffn_kv_proj.weight.grad).all()
+    assert (out.logits.float() - reference).abs().max() < 0.1 * reference.abs().max()
+
+
+def test_output_attentions_and_depth_share():
+    model = tiny_model()
+    ids = torch.randint(3, 97, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_attentions=True)
+    assert [a.shape for a in out.attentions] == [(2, 4, 6, 6 + 2 * layer) for layer in range(4)]
+    keep = mask.bool()
+    for weights in out.attentions:
+        totals = weights.sum(-1).transpose(1, 2)  # (B, T, Hq)
+        torch.testing.assert_close(totals[keep], torch.ones(int(keep.sum()), 4))
+    # A padded token has no visible sequence key; at layer 0 it has no depth entry either: all zeros.
+    assert out.attentions[0][1, :, :2].abs().max() == 0
+    share = model.depth_attention_share(ids, attention_mask=mask)
+    assert share.shape == (4,) and share[0] == 0 and (share[1:] > 0).all() and (share <= 1).all()
+    manual = torch.stack([
+        (a[..., 6:].sum(-1) * mask[:, None]).sum((0, 2)).div(mask.sum()).mean() for a in out.attentions
+    ])
+    torch.testing.assert_close(share, manual)
+    assert model.depth_attention_share(ids, per_head=True).shape == (4, 4)
+
+
+def test_auto_classes_and_tied_embeddings():
+    config = tiny_config(tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
+    assert isinstance(model, MoDAForCausalLM)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert isinstance(model.get_decoder() if hasattr(model, "get_decoder") else model.model, MoDAModel)
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(norm_position="sandwich"), "norm_position"),
+        (dict(norm_position=None), "norm_position"),
+        (dict(moda_ffn_kv="yes"), "moda_ffn_kv"),
+        (dict(attention_dropout=0.1), "attention_dropout"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(num_key_value_heads=8), "num_key_value_heads"),
+        (dict(hidden_size=50), "hidden_size"),
+        (dict(num_hidden_layers=0), "num_hidden_layers"),
+        (dict(head_dim=7), "head_dim"),
+    ],
+)
+def test_invalid_config_raises(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        MoDAConfig(**{**TINY, **overrides})
