@@ -1,0 +1,261 @@
+#!/usr/bin/env python
+"""Benchmark ``moda_attention`` against ``scaled_dot_product_attention`` on the same sequence.
+
+For each (T, L): MoDA attention with ``M = 2L`` depth entries per token (attention-side + FFN-side
+KV of every preceding layer, as in the model) through each available backend, against
+``torch.nn.functional.scaled_dot_product_attention`` on the same q, k, v with no depth entries
+(the plain causal attention MoDA replaces). Forward and forward+backward; median time and peak
+memory allocated during the call (above the inputs), with ratios against SDPA, all measured side
+by side in one run. Backends: ``torch`` (vectorised PyTorch, what CPUs use), ``triton`` (the fused
+kernel, CUDA only), ``reference`` (plain loops; only on request, tiny T).
+
+The paper (arXiv 2603.15619, Table 2: A100, bf16, fwd+bwd, B=1, d=64, Hq=64, Hkv=8) reports MoDA at
+97.3% of FlashAttention-2 speed at T=64K; ``--device cuda`` runs that comparison against SDPA's
+flash backend (the ``torch`` path is skipped where its [T, S] probabilities would not fit).
+
+    python scripts/bench_moda_attention.py                              # CPU, fp32, small T
+    python scripts/bench_moda_attention.py --threads 1                  # ... on a shared machine
+    python scripts/bench_moda_attention.py --device cuda --dtype bf16   # T = 4K..64K, Hq=64, Hkv=8
+
+Results are printed as a markdown table and appended to ``docs/bench/moda_attention.jsonl`` with
+the machine named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from depthfusion_hf.models.moda.moda_attention import moda_attention, moda_triton_available
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
+    """Median wall time of ``fn()`` in milliseconds (CUDA events on GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated while ``fn()`` runs, above what was allocated before it.
+
+    CUDA: ``max_memory_allocated``. CPU: the running total of the profiler's allocation / free
+    records, in time order.
+    """
+    if device.type == "cuda":
+        sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    records = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
+                     key=lambda e: e["ts"])
+    live = peak = 0
+    for e in records:
+        live += e["args"]["Bytes"]
+        peak = max(peak, live)
+    return peak
+
+
+def machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} @ {platform.node()}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name} ({torch.get_num_threads()} threads) @ {platform.node()}"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def make_inputs(B: int, Hq: int, Hkv: int, T: int, M: int, d: int, device: torch.device, dtype: torch.dtype):
+    """q [B, Hq, T, d]; k, v [B, Hkv, T, d]; depth_k, depth_v [B, Hkv, T, M, d] (leaves needing grad)."""
+    g = torch.Generator().manual_seed(0)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_()
+
+    return leaf(B, Hq, T, d), leaf(B, Hkv, T, d), leaf(B, Hkv, T, d), leaf(B, Hkv, T, M, d), leaf(B, Hkv, T, M, d)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA with native GQA (flash on CUDA for fp16/bf16)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def make_call(impl: str, inputs: list[torch.Tensor], backward: bool) -> Callable[[], object]:
+    """A closure running one forward (and backward) of ``impl`` ("sdpa" or a moda_attention backend)."""
+    q, k, v, depth_k, depth_v = inputs
+    if impl == "sdpa":
+        fn, leaves = (lambda: sdpa(q, k, v)), [q, k, v]
+    else:
+        fn, leaves = (lambda: moda_attention(q, k, v, depth_k, depth_v, backend=impl)), list(inputs)
+    if not backward:
+        def fwd() -> object:
+            with torch.no_grad():
+                return fn()
+        return fwd
+    grad_out = torch.ones_like(q)
+
+    def fwd_bwd() -> object:
+        out = fn()
+        return torch.autograd.grad(out, leaves, grad_out)
+    return fwd_bwd
+
+
+def torch_path_fits(B: int, Hq: int, T: int, M: int, device: torch.device, limit_gib: float) -> bool:
+    """The vectorised PyTorch path materialises [B, Hq, T, T + M] fp32 probabilities (x ~4 with backward)."""
+    need = 4 * B * Hq * T * (T + M) * 4
+    if device.type == "cuda":
+        return need < 0.6 * torch.cuda.mem_get_info(device)[0]
+    return need < limit_gib * 2**30
+
+
+def sanity_check(impls: list[str], B: int, Hq: int, Hkv: int, T: int, d: int, device, dtype) -> dict[str, float]:
+    """Max |MoDA(M=0) - SDPA| per backend: with no depth entries MoDA is plain causal attention."""
+    q, k, v, depth_k, depth_v = make_inputs(B, Hq, Hkv, T, 0, d, device, dtype)
+    with torch.no_grad():
+        want = sdpa(q, k, v).float()
+        return {impl: (moda_attention(q, k, v, depth_k, depth_v, backend=impl).float() - want).abs().max().item()
+                for impl in impls}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    parser.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths")
+    parser.add_argument("--L", type=int, nargs="+", default=None, help="preceding layers (M = 2L depth entries)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--hq", type=int, default=None, help="query heads (default 8 on CPU, 64 on CUDA)")
+    parser.add_argument("--hkv", type=int, default=None, help="KV heads (default 2 on CPU, 8 on CUDA)")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--backends", nargs="+", default=None,
+                        help="moda_attention backends (default: torch, plus triton when it can run)")
+    parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--cpu-torch-limit-gib", type=float, default=8.0,
+                        help="skip the torch path above this estimated memory on CPU")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (1 gives stable timings on a shared machine)")
+    parser.add_argument("--out", default=str(REPO / "docs" / "bench" / "moda_attention.jsonl"),
+                        help="results file (appended); '' to skip")
+    args = parser.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
+    Ts = args.T or ([4096, 16384, 65536] if cuda else [256, 512, 1024])
+    Ls = args.L or ([32, 64] if cuda else [4, 12])
+    Hq, Hkv = args.hq or (64 if cuda else 8), args.hkv or (8 if cuda else 2)
+    d, B = args.head_dim, args.batch
+    warmup, reps = args.warmup or (3 if cuda else 1), args.reps or (10 if cuda else 3)
+    impls = args.backends or (["torch", "triton"] if cuda and moda_triton_available() else ["torch"])
+    if "triton" in impls and not (cuda and moda_triton_available()):
+        raise SystemExit("the triton backend needs --device cuda and Triton")
+
+    machine = machine_name(device)
+    print(f"machine: {machine}   torch {torch.__version__}   commit {git_commit()}")
+    print(f"B={B} Hq={Hq} Hkv={Hkv} d={d} {dtype}  warmup={warmup} reps={reps}  backends={impls}")
+    check = sanity_check(impls, B, Hq, Hkv, min(Ts[0], 256), d, device, dtype)
+    print("sanity (M=0 vs SDPA, max abs diff): " + ", ".join(f"{k} {v:.1e}" for k, v in check.items()))
+
+    header = ["T", "L", "M", "mode", "SDPA ms"] + [f"{i} ms (×SDPA)" for i in impls]
+    header += ["SDPA MiB"] + [f"{i} MiB (×SDPA)" for i in impls]
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    results = []
+    for T in Ts:
+        for L in Ls:
+            M = 2 * L
+            inputs = make_inputs(B, Hq, Hkv, T, M, d, device, dtype)
+            for mode in args.modes:
+                row_ms, row_mib = {}, {}
+                for impl in ["sdpa", *impls]:
+                    if impl == "torch" and not torch_path_fits(B, Hq, T, M, device, args.cpu_torch_limit_gib):
+                        continue
+                    if impl == "reference" and T > 256:
+                        continue
+                    call = make_call(impl, inputs, backward=mode == "fwd+bwd")
+                    row_ms[impl] = median_ms(call, device, warmup, reps)
+                    row_mib[impl] = peak_bytes(call, device) / 2**20
+                    del call
+
+                def cell(values: dict[str, float], impl: str, fmt: str) -> str:
+                    if impl not in values:
+                        return "skipped"
+                    return f"{values[impl]:{fmt}} ({values[impl] / max(values['sdpa'], 1e-9):.2f}×)"
+
+                cells = [str(T), str(L), str(M), mode, f"{row_ms['sdpa']:.2f}"]
+                cells += [cell(row_ms, i, ".2f") for i in impls]
+                cells += [f"{row_mib['sdpa']:.1f}"] + [cell(row_mib, i, ".1f") for i in impls]
+                print("| " + " | ".join(cells) + " |", flush=True)
+                results.append(dict(T=T, L=L, M=M, mode=mode, time_ms=row_ms, peak_mib=row_mib))
+            del inputs
+
+    if args.out:
+        record = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine,
+                      torch=torch.__version__, commit=git_commit(), device=args.device, dtype=str(dtype),
+                      B=B, Hq=Hq, Hkv=Hkv, d=d, warmup=warmup, reps=reps, sanity=check, results=results)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"\nappended to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
