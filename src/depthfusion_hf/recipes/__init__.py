@@ -1,0 +1,1 @@
+"""Training recipes (causal LM; the few-shot NER recipe lives beside it)."""

@@ -1,0 +1,232 @@
+"""Causal-LM training recipe: build a depth-fusion model or its Llama baseline, train it with the Trainer.
+
+The command-line front end is ``scripts/train_clm.py``; this module holds the pieces it (and the
+tests) call: the model factory, the training arguments, one training run, and the results table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer, TrainingArguments
+
+import depthfusion_hf
+
+from ..convert import llama_config_fields, load_llama
+from ..export import save_remote_code_folder
+
+MODEL_KINDS = ("denseformer", "moda", "llama")
+ARCH_EXCLUDE = ("_comment", "model_type")
+
+
+def load_arch(path: str | Path) -> dict:
+    """Read a model-config JSON (``configs/*.json``), dropping comments and ``model_type``."""
+    with open(path, encoding="utf-8") as handle:
+        arch = json.load(handle)
+    if not isinstance(arch, dict):
+        raise ValueError(f"{path}: a model config must be a JSON object")
+    return {k: v for k, v in arch.items() if k not in ARCH_EXCLUDE}
+
+
+def family_kwargs(kind: str, args) -> dict:
+    """The family-specific config fields for ``kind`` taken from parsed CLI arguments."""
+    if kind == "denseformer":
+        return {"dwa_dilation": args.dwa_dilation, "dwa_period": args.dwa_period}
+    if kind == "moda":
+        return {"moda_ffn_kv": args.moda_ffn_kv, "norm_position": args.norm_position}
+    return {}
+
+
+def build_model(kind: str, arch: dict, tokenizer=None, init_from: str | None = None, **kwargs) -> PreTrainedModel:
+    """Build a fresh model of ``kind`` (``denseformer``, ``moda`` or ``llama``) from architecture fields.
+
+    Args:
+        kind: the model family.
+        arch: Llama-style config fields (hidden_size, num_hidden_layers, ...).
+        tokenizer: when given, sets vocab size and the bos/eos/pad token ids.
+        init_from: a Llama checkpoint (folder or Hub id) to upcycle instead of a random init;
+            ``arch`` is then ignored.
+        kwargs: family fields (``dwa_dilation``, ``moda_ffn_kv``, ...).
+    """
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind must be one of {MODEL_KINDS}; got {kind!r}")
+    if init_from is not None:
+        llama = load_llama(init_from)
+        if kind == "llama":
+            return llama
+        if kind == "denseformer":
+            return depthfusion_hf.convert.llama_to_denseformer(llama, **kwargs)
+        return depthfusion_hf.convert.llama_to_moda(llama, **kwargs)
+    fields = dict(arch)
+    if tokenizer is not None:
+        fields.update(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    config = build_config(kind, fields, **kwargs)
+    if kind == "llama":
+        return LlamaForCausalLM(config)
+    if kind == "denseformer":
+        return depthfusion_hf.DenseFormerForCausalLM(config)
+    return depthfusion_hf.MoDAForCausalLM(config)
+
+
+def build_config(kind: str, fields: dict, **kwargs):
+    """The config of ``kind`` from Llama-style ``fields`` plus family fields; validates them (ValueError)."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind must be one of {MODEL_KINDS}; got {kind!r}")
+    if kind == "llama":
+        return LlamaConfig(**fields)
+    if kind == "denseformer":
+        return depthfusion_hf.DenseFormerConfig(**fields, **kwargs)
+    return depthfusion_hf.MoDAConfig(**fields, **kwargs)
+
+
+def baseline_arch(model: PreTrainedModel) -> dict:
+    """The Llama fields of a model's config, to build the same-depth plain baseline."""
+    fields = llama_config_fields(model.config)
+    return {k: v for k, v in fields.items() if k in LlamaConfig.__dataclass_fields__}
+
+
+@dataclass
+class TrainSettings:
+    """Optimisation settings (defaults follow the DenseFormer paper: AdamW 0.9/0.95, wd 0.1, cosine, 5% warm-up)."""
+
+    max_steps: int = 300
+    batch_size: int = 16
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_ratio: float = 0.05
+    eval_steps: int = 100
+    save_steps: int = 0
+    logging_steps: int = 10
+    seed: int = 0
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    bf16: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def training_arguments(output_dir: Path, settings: TrainSettings) -> TrainingArguments:
+    """``TrainingArguments`` for one run (no external loggers; checkpoints only when ``save_steps > 0``)."""
+    save = settings.save_steps > 0
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=settings.max_steps,
+        per_device_train_batch_size=settings.batch_size,
+        per_device_eval_batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        learning_rate=settings.learning_rate,
+        weight_decay=settings.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        lr_scheduler_type="cosine",
+        warmup_steps=math.ceil(settings.warmup_ratio * settings.max_steps),
+        max_grad_norm=1.0,
+        logging_steps=settings.logging_steps,
+        eval_strategy="steps" if settings.eval_steps > 0 else "no",
+        eval_steps=settings.eval_steps if settings.eval_steps > 0 else None,
+        save_strategy="steps" if save else "no",
+        save_steps=settings.save_steps if save else 500,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        report_to="none",
+        dataloader_num_workers=0,
+        activation_checkpointing=settings.gradient_checkpointing,
+        bf16=settings.bf16,
+        use_cpu=not torch.cuda.is_available(),
+        **settings.extra,
+    )
+
+
+@dataclass
+class RunResult:
+    """What one training run measured."""
+
+    name: str
+    parameters: int
+    eval_loss: float
+    train_loss: float
+    train_seconds: float
+    tokens_per_second: float
+    log_history: list = field(default_factory=list)
+
+    @property
+    def perplexity(self) -> float:
+        """``exp(eval_loss)``."""
+        return math.exp(self.eval_loss) if self.eval_loss < 50 else float("inf")
+
+
+def train_one(
+    name: str,
+    model: PreTrainedModel,
+    train_dataset,
+    eval_dataset,
+    output_dir: Path,
+    settings: TrainSettings,
+    tokenizer=None,
+    resume_from_checkpoint: str | bool | None = None,
+) -> RunResult:
+    """Train ``model`` with the ``Trainer``, evaluate it, and save a remote-code folder to ``output_dir/final``."""
+    args = training_arguments(output_dir, settings)
+    trainer = Trainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    start = time.perf_counter()
+    train_output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    seconds = train_output.metrics.get("train_runtime", time.perf_counter() - start)
+    metrics = trainer.evaluate()
+    tokens = settings.max_steps * settings.batch_size * settings.gradient_accumulation_steps
+    tokens *= len(train_dataset[0]["input_ids"]) * max(1, args.world_size)
+    if trainer.is_world_process_zero():
+        final = output_dir / "final"
+        if isinstance(model, LlamaForCausalLM):
+            model.save_pretrained(final)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(final)
+        else:
+            save_remote_code_folder(model, final, tokenizer=tokenizer)
+    return RunResult(
+        name=name,
+        parameters=sum(p.numel() for p in model.parameters()),
+        eval_loss=float(metrics["eval_loss"]),
+        train_loss=float(train_output.training_loss),
+        train_seconds=float(seconds),
+        tokens_per_second=tokens / max(float(seconds), 1e-9),
+        log_history=trainer.state.log_history,
+    )
+
+
+def results_table(results: list[RunResult]) -> str:
+    """A markdown table: validation loss, perplexity, parameters, train tokens/s, and ratios to the last row."""
+    base = results[-1]
+    lines = [
+        "| model | val loss | val ppl | params | train tokens/s | Δ loss vs baseline | speed vs baseline |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.name} | {r.eval_loss:.4f} | {r.perplexity:.2f} | {r.parameters:,} | {r.tokens_per_second:,.0f} "
+            f"| {r.eval_loss - base.eval_loss:+.4f} | {r.tokens_per_second / base.tokens_per_second:.3f}× |"
+        )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "MODEL_KINDS",
+    "RunResult",
+    "TrainSettings",
+    "baseline_arch",
+    "build_config",
+    "build_model",
+    "family_kwargs",
+    "load_arch",
+    "results_table",
+    "train_one",
+    "training_arguments",
+]

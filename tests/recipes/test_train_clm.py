@@ -1,0 +1,77 @@
+"""The causal-LM main job end to end on the built-in corpus (tiny model, a few steps)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import train_clm  # noqa: E402
+
+from depthfusion_hf.data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer  # noqa: E402
+
+
+def test_builtin_corpus_is_real_english():
+    docs = load_documents()
+    assert len(docs) == 1189  # chapters of the King James Bible
+    assert docs[0].startswith("In the beginning God created the heaven and the earth.")
+    train, val = split_documents(docs, 0.03)
+    assert len(val) == 36 and train[-1] != val[0]
+
+
+def test_tokenizer_and_packing_round_trip():
+    docs = load_documents()[:50]
+    tokenizer = train_bpe_tokenizer(docs, vocab_size=300)
+    assert len(tokenizer) == 300
+    blocks = pack_into_blocks(tokenizer, docs[:5], block_size=32)
+    ids = [i for b in blocks["input_ids"] for i in b]
+    assert all(len(b) == 32 for b in blocks["input_ids"])
+    assert tokenizer.decode(ids[:20]) == tokenizer.decode(tokenizer(docs[0])["input_ids"][:20])
+
+
+def test_local_files_and_bad_inputs(tmp_path):
+    (tmp_path / "a.txt").write_text("First paragraph here.\n\nSecond one.\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "hello"}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    assert load_documents(files=[tmp_path / "a.txt"]) == ["First paragraph here.", "Second one."]
+    with pytest.raises(ValueError, match="record 2 has no 'text' field"):
+        load_documents(files=[tmp_path / "b.jsonl"])
+    with pytest.raises(ValueError, match="unsupported data file type '.csv'"):
+        (tmp_path / "c.csv").write_text("x")
+        load_documents(files=[tmp_path / "c.csv"])
+    with pytest.raises(ValueError, match="validation_fraction must be in"):
+        split_documents(["a", "b"], 1.5)
+
+
+def test_main_job_trains_both_models_and_writes_everything(tmp_path):
+    out = tmp_path / "run"
+    results = train_clm.main([
+        "--config", str(REPO / "configs" / "clm_tiny.json"), "--max_steps", "8", "--eval_steps", "4",
+        "--batch_size", "4", "--max_train_blocks", "64", "--max_eval_blocks", "8", "--vocab_size", "400",
+        "--dwa_dilation", "2", "--dwa_period", "2", "--output_dir", str(out),
+    ])
+    names = [r["name"] for r in results["runs"]]
+    assert names == ["denseformer 2x2", "llama (baseline)"]
+    for run in results["runs"]:
+        assert 0 < run["eval_loss"] < 7 and run["tokens_per_second"] > 0
+    dense, llama = results["runs"]
+    assert dense["parameters"] - llama["parameters"] == 2 + 3  # DWA after blocks 2 and 4 with dilation 2
+    assert (out / "dwa_weights.png").stat().st_size > 1000
+    assert "| denseformer 2x2 |" in (out / "results.md").read_text()
+    model = AutoModelForCausalLM.from_pretrained(out / "denseformer" / "final")
+    tokenizer = AutoTokenizer.from_pretrained(out / "denseformer" / "final")
+    assert model.config.dwa_dilation == 2 and len(tokenizer) == 400
+    assert not torch.equal(model.model.dwa.alphas, model.model.dwa.identity_alphas())  # the DWA weights trained
+
+
+def test_bad_arguments_are_rejected(tmp_path):
+    with pytest.raises(SystemExit):
+        train_clm.main(["--max_steps", "0", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="`dwa_dilation` must be an integer in"):
+        train_clm.main(["--config", str(REPO / "configs" / "clm_tiny.json"), "--dwa_dilation", "9",
+                        "--max_train_blocks", "8", "--max_eval_blocks", "2", "--vocab_size", "300",
+                        "--output_dir", str(tmp_path)])
