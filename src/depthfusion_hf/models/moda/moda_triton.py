@@ -154,7 +154,8 @@ def _moda_fwd_kernel(
     +inf for a row with no visible key, so that the backward's probabilities vanish there).
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hkv = i_bh // Hkv, i_bh % Hkv
+    # int64 batch / head indices: every offset built from them is int64 (tensors may exceed 2**31 elements).
+    i_b, i_hkv = (i_bh // Hkv).to(tl.int64), (i_bh % Hkv).to(tl.int64)
     Hq = Hkv * G
     BLOCK_R: tl.constexpr = BLOCK_T * G_PAD
 
@@ -175,7 +176,7 @@ def _moda_fwd_kernel(
 
     p_k = k + i_b * s_kb + i_hkv * s_kh
     p_v = v + i_b * s_vb + i_hkv * s_vh
-    p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None] * s_mt
+    p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None].to(tl.int64) * s_mt  # T * S may pass 2**31
 
     # Sequence phase. Keys < s_full are visible to every row of the block (no causal mask needed);
     # [s_full, s_hi) needs the causal / bounds mask; keys >= s_hi are visible to no row.
@@ -204,7 +205,7 @@ def _moda_fwd_kernel(
     for j_start in range(j_lo, j_hi, BLOCK_DM):
         o_j = j_start + tl.arange(0, BLOCK_DM)
         m_j = o_j < j_hi
-        o_jt = o_j // M  # token that owns depth column j
+        o_jt = (o_j // M).to(tl.int64)  # token that owns depth column j (int64: T * M * d may pass 2**31)
         o_jm = o_j % M
         b_dkt = tl.load(p_dk + o_jt[None, :] * s_dkt + o_jm[None, :] * s_dkm + o_d[:, None] * s_dkd,
                         mask=m_d[:, None] & m_j[None, :], other=0.0)
@@ -285,7 +286,8 @@ def _moda_bwd_dq_depth_kernel(
     ``ddk``, ``ddv`` contiguous [B, Hkv, T, M, D].
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hkv = i_bh // Hkv, i_bh % Hkv
+    # int64 batch / head indices: every offset built from them is int64 (tensors may exceed 2**31 elements).
+    i_b, i_hkv = (i_bh // Hkv).to(tl.int64), (i_bh % Hkv).to(tl.int64)
     Hq = Hkv * G
     BLOCK_R: tl.constexpr = BLOCK_T * G_PAD
 
@@ -308,7 +310,7 @@ def _moda_bwd_dq_depth_kernel(
 
     p_k = k + i_b * s_kb + i_hkv * s_kh
     p_v = v + i_b * s_vb + i_hkv * s_vh
-    p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None] * s_mt
+    p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None].to(tl.int64) * s_mt  # T * S may pass 2**31
 
     t_first = i_t * BLOCK_T
     t_last = tl.minimum(t_first + BLOCK_T, T) - 1
@@ -338,7 +340,7 @@ def _moda_bwd_dq_depth_kernel(
     for j_start in range(j_lo, j_hi, BLOCK_DM):
         o_j = j_start + tl.arange(0, BLOCK_DM)
         m_j = o_j < j_hi
-        o_jt = o_j // M
+        o_jt = (o_j // M).to(tl.int64)
         o_jm = o_j % M
         m_jd = m_j[:, None] & m_d[None, :]
         b_dkt = tl.load(p_dk + o_jt[None, :] * s_dkt + o_jm[None, :] * s_dkm + o_d[:, None] * s_dkd,
@@ -374,7 +376,8 @@ def _moda_bwd_dkdv_kernel(
     """Sequence dK / dV of one KV block of one (batch, KV head): loops over the query blocks that can
     see it, all G query heads at once. ``dk``, ``dv`` are contiguous [B, Hkv, S, D]."""
     i_s, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hkv = i_bh // Hkv, i_bh % Hkv
+    # int64 batch / head indices: every offset built from them is int64 (tensors may exceed 2**31 elements).
+    i_b, i_hkv = (i_bh // Hkv).to(tl.int64), (i_bh % Hkv).to(tl.int64)
     Hq = Hkv * G
     BLOCK_R: tl.constexpr = BLOCK_T * G_PAD
 
@@ -409,7 +412,7 @@ def _moda_bwd_dkdv_kernel(
 
         b_s = _dot(b_q, tl.trans(b_k), INPUT_PRECISION, UPCAST) * qk_scale  # [BLOCK_R, BLOCK_S]
         if HAS_MASK:
-            p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None] * s_mt + o_s[None, :] * s_ms
+            p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None].to(tl.int64) * s_mt + o_s[None, :] * s_ms
             b_s += tl.load(p_mask, mask=m_r[:, None] & m_s[None, :], other=0.0) * 1.4426950408889634
         m_vis = m_r[:, None] & m_s[None, :]
         if CAUSAL:
