@@ -22,7 +22,8 @@ def test_counts_match_the_real_models(ffn_kv, tied):
     seq_len = 10
     config = tiny_config(moda_ffn_kv=ffn_kv, tie_word_embeddings=tied)
     cost = compare_with_baseline(config, seq_len)
-    models = {"moda": MoDAForCausalLM(config), "baseline": LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tied))}
+    baseline = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tied))
+    models = {"moda": MoDAForCausalLM(config), "baseline": baseline}
     ids = torch.randint(3, 97, (1, seq_len))
     for key, model in models.items():
         model.set_attn_implementation("eager")  # full T x T matmuls, the counter's (and the paper's) convention
