@@ -99,7 +99,8 @@ SHAPES = [
 ]
 SHAPE_IDS = [f"B{b}-H{hq}x{hkv}-T{t}-S{s}-M{m}-d{d}" for b, hq, hkv, t, s, m, d in SHAPES]
 # Small tiles: several query / KV / depth blocks, partial last blocks, the causal diagonal inside a block.
-BLOCKS = {"default": {}, "small": {"block_t": 4, "block_s": 16}}
+BLOCKS = {"default": {}, "small-dot": {"block_t": 4, "block_s": 16, "depth_dot": True},
+          "small-rowwise": {"block_t": 4, "block_s": 16, "depth_dot": False}}
 
 
 @pytest.mark.parametrize("blocks", list(BLOCKS), ids=list(BLOCKS))

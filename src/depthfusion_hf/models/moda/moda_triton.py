@@ -21,7 +21,10 @@ Kernel design (the paper's "hardware-efficient MoDA", Sec. 3.2-3.3):
   the causal diagonal apply it; blocks past the causal limit are never visited.
 - Depth phase: the program reads only its own ``BLOCK_T * M`` depth slice (chunk-aware layout;
   ``depth_k[b, h]`` is already token-major), and a row scores only the ``M`` entries of its own
-  token (block-diagonal mask). Both phases share the online-softmax state ``(m, l, acc)``.
+  token. Both phases share the online-softmax state ``(m, l, acc)``. Two forms: tensor-core dots
+  over the chunk with a block-diagonal mask (the paper's; G / (BLOCK_T * G_PAD) of the products
+  are useful, good when G is large), or, for small G, a loop over the M entries where each row
+  dots its own token's entry on the CUDA cores (no wasted products).
 - No [T, S] matrix in memory; fp32 accumulation; fp16 / bf16 / fp32 inputs (fp32 dots use IEEE
   precision, not TF32). ``d`` need not be a power of two (padded to ``BLOCK_D`` with masks).
 - The mask is read tile by tile through its broadcast strides: a [B, 1, 1, S] padding mask is
@@ -146,7 +149,7 @@ def _moda_fwd_kernel(
     Hkv, T, S, M, D, G, qk_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DM: tl.constexpr,
-    BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr, DEPTH_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: BLOCK_T query tokens x all G query heads of one (batch, KV head).
 
@@ -202,24 +205,45 @@ def _moda_fwd_kernel(
     p_dv = dv + i_b * s_dvb + i_hkv * s_dvh
     j_lo = t_first * M
     j_hi = (t_last + 1) * M
-    for j_start in range(j_lo, j_hi, BLOCK_DM):
-        o_j = j_start + tl.arange(0, BLOCK_DM)
-        m_j = o_j < j_hi
-        o_jt = (o_j // M).to(tl.int64)  # token that owns depth column j (int64: T * M * d may pass 2**31)
-        o_jm = o_j % M
-        b_dkt = tl.load(p_dk + o_jt[None, :] * s_dkt + o_jm[None, :] * s_dkm + o_d[:, None] * s_dkd,
-                        mask=m_d[:, None] & m_j[None, :], other=0.0)
-        b_dv = tl.load(p_dv + o_jt[:, None] * s_dvt + o_jm[:, None] * s_dvm + o_d[None, :] * s_dvd,
-                       mask=m_j[:, None] & m_d[None, :], other=0.0)
-        b_s = _dot(b_q, b_dkt, INPUT_PRECISION, UPCAST) * qk_scale
-        b_s = tl.where((o_t[:, None] == o_jt[None, :]) & m_j[None, :], b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.math.exp2(b_s - b_m_safe[:, None])
-        b_alpha = tl.math.exp2(b_m - b_m_safe)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_dv.dtype), b_dv, INPUT_PRECISION, UPCAST)
-        b_m = b_m_new
+    if DEPTH_DOT:
+        # Tensor-core form (the paper's): [rows x chunk] logits with a block-diagonal token mask;
+        # 1 / BLOCK_T of the products are kept, which pays off when BLOCK_T is small (G large).
+        for j_start in range(j_lo, j_hi, BLOCK_DM):
+            o_j = j_start + tl.arange(0, BLOCK_DM)
+            m_j = o_j < j_hi
+            o_jt = (o_j // M).to(tl.int64)  # token that owns depth column j (int64: T * M * d may pass 2**31)
+            o_jm = o_j % M
+            b_dkt = tl.load(p_dk + o_jt[None, :] * s_dkt + o_jm[None, :] * s_dkm + o_d[:, None] * s_dkd,
+                            mask=m_d[:, None] & m_j[None, :], other=0.0)
+            b_dv = tl.load(p_dv + o_jt[:, None] * s_dvt + o_jm[:, None] * s_dvm + o_d[None, :] * s_dvd,
+                           mask=m_j[:, None] & m_d[None, :], other=0.0)
+            b_s = _dot(b_q, b_dkt, INPUT_PRECISION, UPCAST) * qk_scale
+            b_s = tl.where((o_t[:, None] == o_jt[None, :]) & m_j[None, :], b_s, float("-inf"))
+            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+            b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+            b_p = tl.math.exp2(b_s - b_m_safe[:, None])
+            b_alpha = tl.math.exp2(b_m - b_m_safe)
+            b_l = b_l * b_alpha + tl.sum(b_p, 1)
+            b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_dv.dtype), b_dv, INPUT_PRECISION, UPCAST)
+            b_m = b_m_new
+    else:
+        # Per-entry form for large BLOCK_T (small G): row r dots its own token's m-th entry on the
+        # CUDA cores, no wasted products. Rows of one token read the same entry (cache hits).
+        m_rd = m_r[:, None] & m_d[None, :]
+        p_dk_r = p_dk + o_t[:, None].to(tl.int64) * s_dkt + o_d[None, :] * s_dkd
+        p_dv_r = p_dv + o_t[:, None].to(tl.int64) * s_dvt + o_d[None, :] * s_dvd
+        b_qf = b_q.to(tl.float32)
+        for i_m in range(0, M):
+            b_dkr = tl.load(p_dk_r + i_m * s_dkm, mask=m_rd, other=0.0).to(tl.float32)
+            b_dvr = tl.load(p_dv_r + i_m * s_dvm, mask=m_rd, other=0.0).to(tl.float32)
+            b_sm = tl.where(m_r, tl.sum(b_qf * b_dkr, 1) * qk_scale, float("-inf"))  # [BLOCK_R]
+            b_m_new = tl.maximum(b_m, b_sm)
+            b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+            b_pm = tl.math.exp2(b_sm - b_m_safe)
+            b_alpha = tl.math.exp2(b_m - b_m_safe)
+            b_l = b_l * b_alpha + b_pm
+            b_acc = b_acc * b_alpha[:, None] + b_pm[:, None] * b_dvr
+            b_m = b_m_new
 
     b_has = b_l > 0.0
     b_o = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
@@ -278,7 +302,7 @@ def _moda_bwd_dq_depth_kernel(
     Hkv, T, S, M, D, G, scale, qk_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DM: tl.constexpr,
-    BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr, DEPTH_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dQ (all G heads of a query block) and the block's depth dK / dV, recomputing P from ``lse``.
 
@@ -337,26 +361,47 @@ def _moda_bwd_dq_depth_kernel(
     p_ddv = ddv + (i_b * Hkv + i_hkv) * T * M * D
     j_lo = t_first * M
     j_hi = (t_last + 1) * M
-    for j_start in range(j_lo, j_hi, BLOCK_DM):
-        o_j = j_start + tl.arange(0, BLOCK_DM)
-        m_j = o_j < j_hi
-        o_jt = (o_j // M).to(tl.int64)
-        o_jm = o_j % M
-        m_jd = m_j[:, None] & m_d[None, :]
-        b_dkt = tl.load(p_dk + o_jt[None, :] * s_dkt + o_jm[None, :] * s_dkm + o_d[:, None] * s_dkd,
-                        mask=m_d[:, None] & m_j[None, :], other=0.0)
-        b_dvt = tl.load(p_dv + o_jt[None, :] * s_dvt + o_jm[None, :] * s_dvm + o_d[:, None] * s_dvd,
-                        mask=m_d[:, None] & m_j[None, :], other=0.0)
-        b_s = _dot(b_q, b_dkt, INPUT_PRECISION, UPCAST) * qk_scale
-        b_s = tl.where((o_t[:, None] == o_jt[None, :]) & m_j[None, :], b_s, float("-inf"))
-        b_p = tl.math.exp2(b_s - b_lse[:, None])  # [BLOCK_R, BLOCK_DM]
-        b_dp = _dot(b_do, b_dvt, INPUT_PRECISION, UPCAST)
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dq += _dot(b_ds.to(b_dkt.dtype), tl.trans(b_dkt), INPUT_PRECISION, UPCAST)
-        b_ddv = _dot(tl.trans(b_p.to(b_do.dtype)), b_do, INPUT_PRECISION, UPCAST)
-        b_ddk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, INPUT_PRECISION, UPCAST) * scale
-        tl.store(p_ddk + o_j[:, None] * D + o_d[None, :], b_ddk.to(ddk.dtype.element_ty), mask=m_jd)
-        tl.store(p_ddv + o_j[:, None] * D + o_d[None, :], b_ddv.to(ddv.dtype.element_ty), mask=m_jd)
+    if DEPTH_DOT:
+        for j_start in range(j_lo, j_hi, BLOCK_DM):
+            o_j = j_start + tl.arange(0, BLOCK_DM)
+            m_j = o_j < j_hi
+            o_jt = (o_j // M).to(tl.int64)
+            o_jm = o_j % M
+            m_jd = m_j[:, None] & m_d[None, :]
+            b_dkt = tl.load(p_dk + o_jt[None, :] * s_dkt + o_jm[None, :] * s_dkm + o_d[:, None] * s_dkd,
+                            mask=m_d[:, None] & m_j[None, :], other=0.0)
+            b_dvt = tl.load(p_dv + o_jt[None, :] * s_dvt + o_jm[None, :] * s_dvm + o_d[:, None] * s_dvd,
+                            mask=m_d[:, None] & m_j[None, :], other=0.0)
+            b_s = _dot(b_q, b_dkt, INPUT_PRECISION, UPCAST) * qk_scale
+            b_s = tl.where((o_t[:, None] == o_jt[None, :]) & m_j[None, :], b_s, float("-inf"))
+            b_p = tl.math.exp2(b_s - b_lse[:, None])  # [BLOCK_R, BLOCK_DM]
+            b_dp = _dot(b_do, b_dvt, INPUT_PRECISION, UPCAST)
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            b_dq += _dot(b_ds.to(b_dkt.dtype), tl.trans(b_dkt), INPUT_PRECISION, UPCAST)
+            b_ddv = _dot(tl.trans(b_p.to(b_do.dtype)), b_do, INPUT_PRECISION, UPCAST)
+            b_ddk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, INPUT_PRECISION, UPCAST) * scale
+            tl.store(p_ddk + o_j[:, None] * D + o_d[None, :], b_ddk.to(ddk.dtype.element_ty), mask=m_jd)
+            tl.store(p_ddv + o_j[:, None] * D + o_d[None, :], b_ddv.to(ddv.dtype.element_ty), mask=m_jd)
+    else:
+        # Per-entry form (see the forward); the G rows of a token are summed by a reshape.
+        p_dk_r = p_dk + o_t[:, None].to(tl.int64) * s_dkt + o_d[None, :] * s_dkd
+        p_dv_r = p_dv + o_t[:, None].to(tl.int64) * s_dvt + o_d[None, :] * s_dvd
+        o_tt = t_first + tl.arange(0, BLOCK_T)  # the block's tokens
+        m_td = (o_tt < T)[:, None] & m_d[None, :]
+        p_dd = (o_tt.to(tl.int64) * M)[:, None] * D + o_d[None, :]  # [BLOCK_T, BLOCK_D] at m = 0
+        b_qf = b_q.to(tl.float32)
+        b_dof = b_do.to(tl.float32)
+        for i_m in range(0, M):
+            b_dkr = tl.load(p_dk_r + i_m * s_dkm, mask=m_rd, other=0.0).to(tl.float32)
+            b_dvr = tl.load(p_dv_r + i_m * s_dvm, mask=m_rd, other=0.0).to(tl.float32)
+            b_sm = tl.where(m_r, tl.sum(b_qf * b_dkr, 1) * qk_scale, float("-inf"))
+            b_pm = tl.math.exp2(b_sm - b_lse)  # [BLOCK_R]
+            b_dsm = b_pm * (tl.sum(b_dof * b_dvr, 1) - b_delta)
+            b_dq += b_dsm[:, None] * b_dkr
+            b_ddv = tl.sum(tl.reshape(b_pm[:, None] * b_dof, [BLOCK_T, G_PAD, BLOCK_D]), 1)
+            b_ddk = tl.sum(tl.reshape(b_dsm[:, None] * b_qf, [BLOCK_T, G_PAD, BLOCK_D]), 1) * scale
+            tl.store(p_ddk + p_dd + i_m * D, b_ddk.to(ddk.dtype.element_ty), mask=m_td)
+            tl.store(p_ddv + p_dd + i_m * D, b_ddv.to(ddv.dtype.element_ty), mask=m_td)
 
     tl.store(dq + o_row[:, None] * D + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_rd)
 
@@ -438,8 +483,14 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _block_sizes(T: int, G: int, D: int, block_t: int | None, block_s: int | None) -> dict[str, int]:
-    """Tile sizes. Rows per program = BLOCK_T * G_PAD (at least 16 for ``tl.dot``)."""
+def _block_sizes(T: int, G: int, D: int, block_t: int | None, block_s: int | None,
+                 depth_dot: bool | None) -> dict[str, int | bool]:
+    """Tile sizes and the depth-phase form. Rows per program = BLOCK_T * G_PAD (>= 16 for ``tl.dot``).
+
+    ``DEPTH_DOT``: score the depth chunk with tensor-core dots (keeping 1 / BLOCK_T of the products)
+    when BLOCK_T <= 16, i.e. G >= 4 at the default 64 rows; per-entry row dots otherwise. The
+    threshold is the FLOP break-even (tensor cores ~16x the CUDA-core rate), not a measured tuning.
+    """
     g_pad = _next_pow2(G)
     if block_t is None:
         rows = 64 if D <= 64 else 32
@@ -448,14 +499,16 @@ def _block_sizes(T: int, G: int, D: int, block_t: int | None, block_s: int | Non
         block_t = max(min(block_t, _next_pow2(T)), max(16 // g_pad, 1))
     elif block_t * g_pad < 16:
         block_t = max(16 // g_pad, 1)
+    block_t = _next_pow2(block_t)
     if block_s is None:
         block_s = 64 if D <= 64 else 32
     return {
-        "BLOCK_T": _next_pow2(block_t),
+        "BLOCK_T": block_t,
         "G_PAD": g_pad,
         "BLOCK_S": max(_next_pow2(block_s), 16),
         "BLOCK_DM": max(_next_pow2(block_s), 16),
         "BLOCK_D": max(_next_pow2(D), 16),
+        "DEPTH_DOT": bool(block_t <= 16 if depth_dot is None else depth_dot),
     }
 
 
@@ -566,6 +619,7 @@ def triton_moda_attention(
     *,
     block_t: int | None = None,
     block_s: int | None = None,
+    depth_dot: bool | None = None,
 ) -> torch.Tensor:
     """MoDA attention through the fused Triton kernels; differentiable in q, k, v, depth_k, depth_v.
 
@@ -579,6 +633,8 @@ def triton_moda_attention(
         causal: query i sees sequence keys at positions <= S - T + i; all S keys when False.
         block_t, block_s: tile-size overrides (tokens per query block, keys per KV / depth block);
             tests use them to exercise multi-block paths at small sizes.
+        depth_dot: force the depth phase's form (tensor-core block-diagonal dots or per-entry row
+            dots); default by block size, see ``_block_sizes``.
 
     Returns:
         [B, Hq, T, d] in q's dtype; rows with no visible key (M = 0, all keys masked) are zeros.
@@ -617,5 +673,5 @@ def triton_moda_attention(
     if B * Hq * T == 0:
         return q.new_zeros(q.shape) + 0 * q.sum()  # keeps autograd connected for empty inputs
     mask = _prepare_mask(attention_mask, (B, Hq, T, S), q)
-    blocks = _block_sizes(T, Hq // Hkv, D, block_t, block_s)
+    blocks = _block_sizes(T, Hq // Hkv, D, block_t, block_s, depth_dot)
     return _MoDATritonFunction.apply(q, k, v, depth_k, depth_v, mask, scale, bool(causal), blocks)
