@@ -116,6 +116,7 @@ def llama_to_moda(
     model_or_path: LlamaForCausalLM | str | os.PathLike,
     moda_ffn_kv: bool = True,
     ffn_kv_init: str = "zero",
+    norm_position: str = "pre",
     **load_kwargs,
 ) -> MoDAForCausalLM:
     """Convert a ``LlamaForCausalLM`` (object, folder or Hub id) into a pre-norm MoDA model.
@@ -130,6 +131,7 @@ def llama_to_moda(
         model_or_path: the Llama model, or anything ``LlamaForCausalLM.from_pretrained`` accepts.
         moda_ffn_kv: add the FFN-side depth K/V projections.
         ffn_kv_init: ``"zero"``, ``"zero_value"`` or ``"copy_kv"``.
+        norm_position: must be ``"pre"``: a Llama's weights are trained for pre-norm blocks.
         load_kwargs: passed to ``from_pretrained`` when a path is given.
     Returns:
         A ``MoDAForCausalLM`` (``norm_position="pre"``, as Llama) on the Llama's device and dtype, in
@@ -137,6 +139,10 @@ def llama_to_moda(
     """
     if ffn_kv_init not in FFN_KV_INITS:
         raise ValueError(f"ffn_kv_init must be one of {FFN_KV_INITS}; got {ffn_kv_init!r}")
+    if norm_position != "pre":
+        raise ValueError(
+            f"norm_position must be 'pre' for a Llama warm start (Llama is pre-norm); got {norm_position!r}"
+        )
     llama = load_llama(model_or_path, **load_kwargs)
     fields = llama_config_fields(llama.config)
     config = MoDAConfig(**fields, moda_ffn_kv=moda_ffn_kv, norm_position="pre")

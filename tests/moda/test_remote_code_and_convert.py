@@ -86,3 +86,5 @@ def test_warm_start_rejects_bad_input():
         llama_to_moda(LlamaForCausalLM(tiny_llama_config()), ffn_kv_init="random")
     with pytest.raises(ValueError, match="expected a LlamaForCausalLM"):
         llama_to_moda(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="norm_position must be 'pre'"):
+        llama_to_moda(LlamaForCausalLM(tiny_llama_config()), norm_position="post")
