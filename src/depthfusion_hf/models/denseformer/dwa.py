@@ -126,10 +126,13 @@ class _DepthWeightedAverage(torch.autograd.Function):
             g_acc = g.to(acc_dtype)
             grad_weights = torch.stack([torch.dot(g_acc, x.reshape(-1).to(acc_dtype)) for x in sources])
             grad_weights = grad_weights.to(weights.dtype)
+        # The weight stays in the accumulation dtype (a 0-d operand does not promote the result), so a
+        # half-precision gradient is rounded once, like the fused kernel's.
+        w = weights.to(_accumulation_dtype(grad_out.dtype))
         grad_sources = []
         for n, _x in enumerate(sources):
             if ctx.needs_input_grad[n + 1]:
-                grad_sources.append(grad_out * weights[n].to(grad_out.dtype))
+                grad_sources.append(grad_out * w[n])
             else:
                 grad_sources.append(None)
         return (grad_weights, *grad_sources)

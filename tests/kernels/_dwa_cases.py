@@ -1,0 +1,73 @@
+"""Shared inputs and comparison helpers for the DWA tests (the reference is computed in float64)."""
+
+from __future__ import annotations
+
+import torch
+
+from depthfusion_hf.models.denseformer.dwa import dwa_reference
+
+# (N, S): N = 1, 2, 7; S with non-power-of-two sizes, a single element, and an empty one.
+SHAPES = [
+    (1, (3, 5, 37)),
+    (2, (3, 5, 37)),
+    (7, (3, 5, 37)),
+    (7, (1,)),
+    (2, (2, 129)),
+    (3, (0, 4)),
+]
+
+# Relative-RMS tolerances (fla style) per dtype: outputs are rounded to the dtype once.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3, torch.float64: 1e-12}
+
+
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``rms(actual - expected) / rms(expected)`` in float64 (0 for empty tensors)."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if e.numel() == 0:
+        return 0.0
+    return ((a - e).pow(2).mean().sqrt() / e.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_inputs(n: int, shape: tuple[int, ...], dtype: torch.dtype, device: str, non_contiguous: bool = False,
+                seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """N leaf sources of ``shape`` (strided views when ``non_contiguous``) and [N] fp32 leaf weights."""
+    gen = torch.Generator().manual_seed(seed)
+    sources = []
+    for _ in range(n):
+        if non_contiguous and len(shape) >= 2:
+            # A transposed view: same shape, non-contiguous memory.
+            x = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=gen).to(device, dtype).transpose(-1, -2)
+        elif non_contiguous:
+            x = torch.randn(shape[0] * 2, *shape[1:], generator=gen).to(device, dtype)[::2]
+        else:
+            x = torch.randn(*shape, generator=gen).to(device, dtype)
+        sources.append(x.detach().requires_grad_(True))
+    w_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    weights = torch.randn(n, generator=gen).to(device, w_dtype).requires_grad_(True)
+    return sources, weights
+
+
+def reference_with_grads(sources: list[torch.Tensor], weights: torch.Tensor, grad_out: torch.Tensor):
+    """float64 reference ``(y, dw, [dx_n])`` for the same input values (the paper's loop)."""
+    xs = [x.detach().double().requires_grad_(True) for x in sources]
+    w = weights.detach().double().requires_grad_(True)
+    y = dwa_reference(xs, w)
+    dw, *dxs = torch.autograd.grad(y, [w, *xs], grad_out.double())
+    return y, dw, dxs
+
+
+def assert_matches_reference(y, grads, sources, weights, grad_out) -> None:
+    """Compare a backend's output ``y`` and gradients ``(dw, *dxs)`` with the float64 reference."""
+    dtype = sources[0].dtype
+    y_ref, dw_ref, dxs_ref = reference_with_grads(sources, weights, grad_out)
+    tol = TOL[dtype]
+    assert y.dtype == dtype and y.shape == sources[0].shape and y.device == sources[0].device
+    assert rel_rms(y, y_ref) <= tol, f"output rel-RMS {rel_rms(y, y_ref):.3g} > {tol}"
+    dw, *dxs = grads
+    assert dw.dtype == weights.dtype and dw.shape == weights.shape
+    # dw sums products of dtype-exact values in fp32 accumulation: fp32-tight whatever the dtype.
+    assert rel_rms(dw, dw_ref) <= 1e-5, f"weight grad rel-RMS {rel_rms(dw, dw_ref):.3g}"
+    assert len(dxs) == len(sources)
+    for n, (dx, dx_ref) in enumerate(zip(dxs, dxs_ref)):
+        assert dx.dtype == dtype and dx.shape == sources[n].shape
+        assert rel_rms(dx, dx_ref) <= tol, f"grad of source {n}: rel-RMS {rel_rms(dx, dx_ref):.3g} > {tol}"

@@ -1,0 +1,88 @@
+"""The PyTorch DWA path (``backend="torch"``) and the paper's loop against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depthfusion_hf.models.denseformer.dwa import depth_weighted_average, dwa_torch
+from tests.kernels._dwa_cases import SHAPES, assert_matches_reference, make_inputs, rel_rms
+
+
+# The paper's loop accumulates in the states' dtype: only the efficient paths promise fp32 accumulation
+# for bf16, so the loop is checked in fp32 only.
+@pytest.mark.parametrize(("backend", "dtype"), [("torch", torch.float32), ("torch", torch.bfloat16),
+                                                ("reference", torch.float32)], ids=["torch-fp32", "torch-bf16",
+                                                                                    "reference-fp32"])
+@pytest.mark.parametrize(("n", "shape"), SHAPES, ids=[f"N{n}-S{'x'.join(map(str, s))}" for n, s in SHAPES])
+def test_forward_backward_matches_reference(n, shape, dtype, backend):
+    sources, weights = make_inputs(n, shape, dtype, "cpu")
+    y = depth_weighted_average(sources, weights, backend=backend)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grads = torch.autograd.grad(y, [weights, *sources], grad_out)
+    assert_matches_reference(y, grads, sources, weights, grad_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_non_contiguous_sources(dtype):
+    sources, weights = make_inputs(3, (4, 6, 19), dtype, "cpu", non_contiguous=True)
+    assert not any(x.is_contiguous() for x in sources)
+    y = depth_weighted_average(sources, weights, backend="torch")
+    grad_out = torch.randn(19, 6, 4).to(dtype).transpose(0, 2)
+    grads = torch.autograd.grad(y, [weights, *sources], grad_out)
+    assert_matches_reference(y, grads, sources, weights, grad_out)
+
+
+def test_half_precision_gradient_is_rounded_once():
+    """``dx = w * g`` is computed with the fp32 weight and rounded once to bf16 (no double rounding)."""
+    sources, weights = make_inputs(3, (4096,), torch.bfloat16, "cpu")
+    g = torch.randn(4096).to(torch.bfloat16)
+    y = depth_weighted_average(sources, weights, backend="torch")
+    _, *dxs = torch.autograd.grad(y, [weights, *sources], g)
+    for n, dx in enumerate(dxs):
+        exact = (g.double() * weights.detach().double()[n]).float().to(torch.bfloat16)
+        assert torch.equal(dx, exact)
+    expected_y = sum(x.detach().float() * w for x, w in zip(sources, weights.detach())).to(torch.bfloat16)
+    assert rel_rms(y, expected_y) <= 1e-6  # fp32 accumulation, one final rounding
+
+
+def test_gradcheck_float64():
+    sources, weights = make_inputs(4, (3, 5), torch.float64, "cpu")
+    assert torch.autograd.gradcheck(lambda w, *xs: dwa_torch(list(xs), w), (weights, *sources))
+    assert torch.autograd.gradgradcheck(lambda w, *xs: dwa_torch(list(xs), w), (weights, *sources))
+
+
+def test_gradcheck_float64_stacked_and_non_contiguous():
+    states = torch.randn(3, 5, 4, dtype=torch.float64).transpose(1, 2).requires_grad_(True)
+    weights = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda s, w: depth_weighted_average(s, w, backend="torch"), (states, weights))
+
+
+def test_stacked_tensor_equals_list():
+    states = torch.randn(6, 2, 33)
+    weights = torch.randn(6)
+    torch.testing.assert_close(depth_weighted_average(states, weights, backend="torch"),
+                               depth_weighted_average(list(states), weights, backend="reference"))
+
+
+def test_does_not_modify_inputs_and_saves_no_copies():
+    """The output is a fresh tensor; the inputs are unchanged; the graph holds only the inputs."""
+    sources, weights = make_inputs(3, (8, 8), torch.float32, "cpu")
+    before = [x.detach().clone() for x in sources]
+    y = depth_weighted_average(sources, weights, backend="torch")
+    assert all(y.data_ptr() != x.data_ptr() for x in sources)
+    saved = y.grad_fn.saved_tensors
+    assert {t.data_ptr() for t in saved} == {x.data_ptr() for x in sources} | {weights.data_ptr()}
+    y.sum().backward()
+    for x, b in zip(sources, before):
+        assert torch.equal(x.detach(), b)
+
+
+def test_single_source_is_a_scaling():
+    x = torch.randn(5, 7, requires_grad=True)
+    w = torch.tensor([2.5], requires_grad=True)
+    y = depth_weighted_average([x], w, backend="torch")
+    torch.testing.assert_close(y, 2.5 * x.detach())
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.5))
+    torch.testing.assert_close(w.grad, x.detach().sum().reshape(1))
