@@ -201,7 +201,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
     Ts = args.T or ([4096, 16384, 65536] if cuda else [256, 512, 1024])
-    Ls = args.L or ([32, 64] if cuda else [4, 12])
+    Ls = args.L or ([0, 32, 64] if cuda else [0, 4, 12])  # L = 0: no depth entries (isolates the path)
     Hq, Hkv = args.hq or (64 if cuda else 8), args.hkv or (8 if cuda else 2)
     d, B = args.head_dim, args.batch
     warmup, reps = args.warmup or (3 if cuda else 1), args.reps or (10 if cuda else 3)
