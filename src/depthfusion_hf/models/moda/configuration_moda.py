@@ -76,7 +76,9 @@ class MoDAConfig(LlamaConfig):
         if self.norm_position not in NORM_POSITIONS:
             raise ValueError(f"`norm_position` must be one of {NORM_POSITIONS}; got {self.norm_position!r}")
         if self.attention_dropout:
-            raise ValueError(f"`attention_dropout` must be 0.0 (the MoDA op has no dropout); got {self.attention_dropout!r}")
+            raise ValueError(
+                f"`attention_dropout` must be 0.0 (the MoDA op has no dropout); got {self.attention_dropout!r}"
+            )
         super().__post_init__(**kwargs)
 
 

@@ -95,7 +95,9 @@ def check_moda_inputs(
         raise ValueError(f"depth_v must have the shape of depth_k, {_shape(depth_k)}; got {_shape(depth_v)}")
     for name, x in (("k", k), ("v", v), ("depth_k", depth_k), ("depth_v", depth_v)):
         if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} must share q's dtype and device ({q.dtype}, {q.device}); got {x.dtype}, {x.device}")
+            raise ValueError(
+                f"{name} must share q's dtype and device ({q.dtype}, {q.device}); got {x.dtype}, {x.device}"
+            )
     if attention_mask is not None:
         target = (batch, num_q_heads, q_len, kv_len)
         try:
@@ -107,7 +109,9 @@ def check_moda_inputs(
                 f"attention_mask must be broadcastable to [B, Hq, T, S] = {target}; got {_shape(attention_mask)}"
             )
         if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
-            raise ValueError(f"attention_mask must be bool (True = attend) or additive float; got {attention_mask.dtype}")
+            raise ValueError(
+                f"attention_mask must be bool (True = attend) or additive float; got {attention_mask.dtype}"
+            )
 
 
 def _causal_keep(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

@@ -49,7 +49,7 @@ SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 def stack_depth(entries: tuple[torch.Tensor, ...], like: torch.Tensor) -> torch.Tensor:
-    """Stack M depth entries [B, Hkv, T, d] into [B, Hkv, T, M, d] (M = 0 gives an empty tensor shaped like ``like``)."""
+    """Stack M depth entries [B, Hkv, T, d] into [B, Hkv, T, M, d]; M = 0 gives an empty one shaped after ``like``."""
     if len(entries) == 0:
         batch, heads, tokens, head_dim = like.shape
         return like.new_zeros(batch, heads, tokens, 0, head_dim)
@@ -387,7 +387,7 @@ class MoDAForCausalLM(MoDAPreTrainedModel, GenerationMixin):
     def depth_attention_share(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, per_head: bool = False
     ) -> torch.Tensor:
-        """Per-layer share of attention mass on depth entries: [L] (or [L, Hq]); see :meth:`MoDAModel.depth_attention_share`."""
+        """Per-layer share of attention mass on depth entries, [L] or [L, Hq] (``MoDAModel.depth_attention_share``)."""
         return self.model.depth_attention_share(input_ids, attention_mask=attention_mask, per_head=per_head)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
