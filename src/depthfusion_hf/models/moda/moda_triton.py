@@ -671,7 +671,8 @@ def triton_moda_attention(
 
         return moda_torch(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
     if B * Hq * T == 0:
-        return q.new_zeros(q.shape) + 0 * q.sum()  # keeps autograd connected for empty inputs
+        # Nothing to attend from; zeros that stay connected to every input (zero gradients).
+        return q.new_zeros(q.shape) + 0 * sum(t.sum() for t in tensors)
     mask = _prepare_mask(attention_mask, (B, Hq, T, S), q)
     blocks = _block_sizes(T, Hq // Hkv, D, block_t, block_s, depth_dot)
     return _MoDATritonFunction.apply(q, k, v, depth_k, depth_v, mask, scale, bool(causal), blocks)
