@@ -26,7 +26,8 @@ Kernel design (the paper's "hardware-efficient MoDA", Sec. 3.2-3.3):
   are useful, good when G is large), or, for small G, a loop over the M entries where each row
   dots its own token's entry on the CUDA cores (no wasted products).
 - No [T, S] matrix in memory; fp32 accumulation; fp16 / bf16 / fp32 inputs (fp32 dots use IEEE
-  precision, not TF32). ``d`` need not be a power of two (padded to ``BLOCK_D`` with masks).
+  precision, not TF32; under the interpreter bf16 dot operands are upcast, see ``_dot``).
+  ``d`` need not be a power of two (padded to ``BLOCK_D`` with masks).
 - The mask is read tile by tile through its broadcast strides: a [B, 1, 1, S] padding mask is
   never expanded. A bool mask is converted once to an additive fp32 mask of its own shape.
 - Backward (FA2 recompute from the per-row log-sum-exp): ``delta = rowsum(dO * O)`` in PyTorch;
@@ -34,6 +35,11 @@ Kernel design (the paper's "hardware-efficient MoDA", Sec. 3.2-3.3):
   program because every row that can see a depth entry belongs to it (no atomics); kernel 2
   (grid over sequence KV blocks, looping over the query blocks that can see the block, all G heads
   at once) gives the sequence dK / dV. Gradients are written once, in the inputs' dtypes.
+
+Not covered by the kernel: float64 (computed by the PyTorch path, ``moda_attention.moda_torch``);
+gradients for the mask. Known limit: a decoding step (T = 1) launches only B * Hkv programs, each
+scanning all S keys (no split-S "flash-decoding"), so long-cache decoding underfills a large GPU.
+The tile sizes and the DEPTH_DOT switch are set by rule, not tuned on a GPU.
 
 Triton is optional: without it this module still imports (the kernels are defined against a
 tiny stand-in and never launched) and :func:`moda_triton_available` returns ``False``. Under
