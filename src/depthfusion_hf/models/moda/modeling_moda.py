@@ -158,7 +158,8 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
     def ffn_entry(self, ffn_input: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The FFN-side depth K/V of ``ffn_input`` [B, T, D]: key (post-RoPE) and value, each [B, Hkv, T, d]."""
         batch, tokens, _ = ffn_input.shape
-        kv = self.ffn_kv_proj(ffn_input).view(batch, tokens, self.num_key_value_heads, 2, self.head_dim)
+        # -1, not num_key_value_heads: under tensor parallelism (colwise plan) this rank holds only its heads.
+        kv = self.ffn_kv_proj(ffn_input).view(batch, tokens, -1, 2, self.head_dim)
         key, value = kv.unbind(dim=3)  # (B, T, Hkv, d) each
         return rotate_depth_key(key.transpose(1, 2), cos, sin), value.transpose(1, 2)
 
