@@ -177,6 +177,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock(device: torch.device) -> Callable[[], float]:
+    """The timer: process CPU time on CPU (steady when other jobs share the cores), wall time on CUDA."""
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Peak bytes allocated during ``fn()`` above what was allocated before it.
 
@@ -318,26 +323,28 @@ def main() -> None:
     parser.add_argument("--depths", default="12,24,48")
     parser.add_argument("--configs", default="1x1,4x5", help="k×p DenseFormer variants")
     parser.add_argument("--reps", type=int, default=None, help="timed repeats per implementation (interleaved)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on shared machines)")
     parser.add_argument("--out", default=str(REPO / "docs" / "bench" / "dwa.jsonl"), help="results file (appended)")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
 
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    if args.threads:
+    if device.type == "cpu":
         torch.set_num_threads(args.threads)
     if args.shape:
         shape = tuple(int(s) for s in args.shape.split(","))
     else:
         shape = (8, 2048, 2048) if device.type == "cuda" else (2, 256, 256)
     reps = args.reps or (20 if device.type == "cuda" else 5)
+    now = clock(device)
     impls = ["none", "paper", "reference", "torch"]
     if device.type == "cuda" and dwa_triton_forward_backward_available():
         impls.append("triton")
     machine = machine_name(device)
     print(f"# bench_dwa  machine: {machine}  torch {torch.__version__}  commit {git_commit()}")
-    print(f"# state {shape} {args.dtype}, {reps} interleaved repeats, median fwd+bwd; baseline = paper")
+    timer = "process CPU time" if device.type == "cpu" else "wall time"
+    print(f"# state {shape} {args.dtype}, {reps} interleaved repeats, median fwd+bwd {timer}; baseline = paper")
 
     results = []
     header = f"{'d':>3} {'k×p':>4} | " + " | ".join(f"{name:>22}" for name in impls[1:])
@@ -360,10 +367,10 @@ def main() -> None:
                     run = runners[impl][0]
                     scales.grad = None
                     sync(device)
-                    t0 = time.perf_counter()
+                    t0 = now()
                     run()
                     sync(device)
-                    times[impl].append(time.perf_counter() - t0)
+                    times[impl].append(now() - t0)
             med = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
             mem = {impl: peak_memory_bytes(runners[impl][0], device) / 2**20 for impl in impls}
             row = dict(depth=depth, config=f"{dilation}x{period}", time_ms=med, peak_mib=mem,
@@ -394,7 +401,7 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         record = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine,
                       torch=torch.__version__, commit=git_commit(), device=args.device, dtype=args.dtype,
-                      shape=list(shape), reps=reps, threads=torch.get_num_threads(), results=results,
+                      shape=list(shape), reps=reps, timer=timer, threads=torch.get_num_threads(), results=results,
                       kernel=kernel_rows)
         with open(out, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -5,8 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from depthfusion_hf.models.denseformer import dwa
 from depthfusion_hf.models.denseformer.dwa import depth_weighted_average, dwa_torch
 from tests.kernels._dwa_cases import SHAPES, assert_matches_reference, make_inputs, rel_rms
+
+
+@pytest.fixture(autouse=True, params=["list", "stacked"])
+def torch_path(request, monkeypatch):
+    """Run every test through both PyTorch paths: the list Function (large states) and the stacked
+    matrix-vector product (states of at most ``SMALL_NUMEL`` elements, e.g. cached decoding)."""
+    monkeypatch.setattr(dwa, "SMALL_NUMEL", -1 if request.param == "list" else 1 << 40)
+    return request.param
 
 
 # The paper's loop accumulates in the states' dtype: only the efficient paths promise fp32 accumulation
@@ -65,14 +74,15 @@ def test_stacked_tensor_equals_list():
                                depth_weighted_average(list(states), weights, backend="reference"))
 
 
-def test_does_not_modify_inputs_and_saves_no_copies():
-    """The output is a fresh tensor; the inputs are unchanged; the graph holds only the inputs."""
+def test_does_not_modify_inputs_and_saves_no_copies(torch_path):
+    """The output is a fresh tensor; the inputs are unchanged; the list path's graph holds only the inputs."""
     sources, weights = make_inputs(3, (8, 8), torch.float32, "cpu")
     before = [x.detach().clone() for x in sources]
     y = depth_weighted_average(sources, weights, backend="torch")
     assert all(y.data_ptr() != x.data_ptr() for x in sources)
-    saved = y.grad_fn.saved_tensors
-    assert {t.data_ptr() for t in saved} == {x.data_ptr() for x in sources} | {weights.data_ptr()}
+    if torch_path == "list":
+        saved = y.grad_fn.saved_tensors
+        assert {t.data_ptr() for t in saved} == {x.data_ptr() for x in sources} | {weights.data_ptr()}
     y.sum().backward()
     for x, b in zip(sources, before):
         assert torch.equal(x.detach(), b)
@@ -86,3 +96,19 @@ def test_single_source_is_a_scaling():
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.5))
     torch.testing.assert_close(w.grad, x.detach().sum().reshape(1))
+
+
+def test_no_grad_inference_matches(torch_path):
+    sources, weights = make_inputs(5, (2, 1, 96), torch.float32, "cpu")
+    with torch.no_grad():
+        y = depth_weighted_average(sources, weights, backend="torch")
+    assert not y.requires_grad
+    torch.testing.assert_close(y, sum(w * x.detach() for w, x in zip(weights.detach(), sources)))
+
+
+def test_small_threshold_selects_the_path(monkeypatch):
+    monkeypatch.setattr(dwa, "SMALL_NUMEL", 10)
+    small = depth_weighted_average([torch.randn(10, requires_grad=True)] * 2, torch.ones(2), backend="torch")
+    large = depth_weighted_average([torch.randn(11, requires_grad=True)] * 2, torch.ones(2), backend="torch")
+    assert type(large.grad_fn).__name__ == "_DepthWeightedAverageBackward"
+    assert type(small.grad_fn).__name__ != "_DepthWeightedAverageBackward"

@@ -98,6 +98,16 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+# Below this many elements per source, stacking the sources and one matrix-vector product beat N
+# per-source kernels (decoding: a few hundred elements, where per-op overhead dominates).
+SMALL_NUMEL = 1 << 14
+
+
+def _scalar_weights(w: torch.Tensor) -> list[float] | torch.Tensor:
+    """Python floats on CPU (no sync there; scalar ``alpha`` arguments), else the tensor (indexing it stays async)."""
+    return w.tolist() if w.device.type == "cpu" else w
+
+
 class _DepthWeightedAverage(torch.autograd.Function):
     """``out = sum_n w[n] * x[n]`` over a list of sources, without stacking them.
 
@@ -109,10 +119,16 @@ class _DepthWeightedAverage(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weights: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
         acc_dtype = _accumulation_dtype(sources[0].dtype)
-        w = weights.detach().to(acc_dtype)
-        out = sources[0].to(acc_dtype) * w[0]
+        w = _scalar_weights(weights.detach().to(acc_dtype))
+        if acc_dtype == sources[0].dtype:
+            out = torch.mul(sources[0], w[0])
+        else:
+            out = sources[0].to(acc_dtype).mul_(w[0])
         for n in range(1, len(sources)):
-            out.addcmul_(sources[n], w[n])
+            if isinstance(w, list):
+                out.add_(sources[n], alpha=w[n])
+            else:
+                out.addcmul_(sources[n], w[n])
         ctx.save_for_backward(weights, *sources)
         return out.to(sources[0].dtype)
 
@@ -126,9 +142,12 @@ class _DepthWeightedAverage(torch.autograd.Function):
             g_acc = g.to(acc_dtype)
             grad_weights = torch.stack([torch.dot(g_acc, x.reshape(-1).to(acc_dtype)) for x in sources])
             grad_weights = grad_weights.to(weights.dtype)
-        # The weight stays in the accumulation dtype (a 0-d operand does not promote the result), so a
-        # half-precision gradient is rounded once, like the fused kernel's.
+        # The weight stays in the accumulation dtype (a 0-d operand or a Python scalar does not promote
+        # the result), so a half-precision gradient is rounded once, like the fused kernel's. Under
+        # create_graph the weights must stay tensors so that double backward reaches them.
         w = weights.to(_accumulation_dtype(grad_out.dtype))
+        if not torch.is_grad_enabled():
+            w = _scalar_weights(w.detach())
         grad_sources = []
         for n, _x in enumerate(sources):
             if ctx.needs_input_grad[n + 1]:
@@ -138,8 +157,25 @@ class _DepthWeightedAverage(torch.autograd.Function):
         return (grad_weights, *grad_sources)
 
 
+def _dwa_small(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """Few elements per source: stack them ([N, M], a negligible copy) and one matrix-vector product.
+
+    Plain autograd ops; half-precision inputs are computed in fp32 and rounded once.
+    """
+    dtype = sources[0].dtype
+    acc_dtype = _accumulation_dtype(dtype)
+    stacked = torch.stack([x.reshape(-1) for x in sources])  # (N, M)
+    if stacked.dtype != acc_dtype:
+        stacked = stacked.to(acc_dtype)
+    out = torch.mv(stacked.t(), weights.to(acc_dtype))  # (M,)
+    return out.to(dtype).view(sources[0].shape)
+
+
 def dwa_torch(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
     """Efficient PyTorch DWA over a list of sources (see :class:`_DepthWeightedAverage`).
+
+    Sources of fewer than ``SMALL_NUMEL`` elements (cached decoding) take a stacked
+    matrix-vector product instead, which costs two kernels instead of N.
 
     Args:
         sources: N tensors of the same shape S.
@@ -147,6 +183,8 @@ def dwa_torch(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.T
     Returns:
         [*S], in the sources' dtype.
     """
+    if sources[0].numel() <= SMALL_NUMEL:
+        return _dwa_small(sources, weights)
     return _DepthWeightedAverage.apply(weights, *sources)
 
 

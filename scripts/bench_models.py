@@ -1,0 +1,209 @@
+#!/usr/bin/env python
+"""Training-step time, peak memory and decode tokens/s: DenseFormer 1×1 / 4×5, MoDA, Llama.
+
+Every model gets the same Llama configuration (default: 12 layers, hidden 256, 4 heads × 64,
+SwiGLU 704, vocab 8192, seq 256, batch 4, fp32, SDPA attention) and is measured in one run with
+interleaved repeats (model A, B, C, D, A, B, ...), so machine load hits all of them alike; the
+table reports medians and ratios against transformers' own ``LlamaForCausalLM``.
+
+- train step: forward with labels + backward + AdamW step + zero_grad;
+- peak memory: bytes allocated during one train step above what was allocated before it (CPU: the
+  profiler's allocation trace; CUDA: ``max_memory_allocated``);
+- decode: ``generate`` with the KV cache, greedy, batch 1, a 32-token prompt, 64 new tokens.
+
+Targets on CPU (issue 5): DenseFormer 4×5 train ≤ 1.03× Llama, 1×1 ≤ 1.10×; decode ≥ 0.95×;
+MoDA train ≤ 1.15×. ``--profile`` prints the top operators of each model's train step next to
+Llama's, to explain a missed target. Results are appended to ``docs/bench/models.jsonl``.
+
+    python scripts/bench_models.py                 # CPU, fp32, 1 thread
+    python scripts/bench_models.py --device cuda --dtype bf16 --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_dwa import DTYPES, clock, git_commit, machine_name, peak_memory_bytes, sync  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import depthfusion_hf  # noqa: E402
+from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = {  # name: (metric, bound, "le"/"ge") -- ratios against Llama
+    "denseformer-4x5": {"train": 1.03, "decode": 0.95},
+    "denseformer-1x1": {"train": 1.10, "decode": 0.95},
+    "moda": {"train": 1.15},
+}
+
+
+def build_models(args, device: torch.device, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """Llama and the depth-fusion models with the same configuration and the same seed."""
+    common = dict(
+        num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64, vocab_size=args.vocab,
+        max_position_embeddings=max(1024, args.seq * 2), pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    specs = {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**common)),
+        "denseformer-1x1": lambda: DenseFormerForCausalLM(DenseFormerConfig(**common, dwa_dilation=1, dwa_period=1)),
+        "denseformer-4x5": lambda: DenseFormerForCausalLM(DenseFormerConfig(**common, dwa_dilation=4, dwa_period=5)),
+    }
+    if hasattr(depthfusion_hf, "MoDAForCausalLM"):
+        specs["moda"] = lambda: depthfusion_hf.MoDAForCausalLM(depthfusion_hf.MoDAConfig(**common))
+    selected = args.models.split(",") if args.models else list(specs)
+    models = {}
+    for name in selected:
+        torch.manual_seed(0)
+        model = specs[name]()
+        model.config._attn_implementation = args.attn
+        models[name] = model.to(device=device, dtype=dtype).train()
+    return models
+
+
+def make_train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+    """One optimiser step; returns the loss tensor."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+    def step() -> torch.Tensor:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def decode_tokens_per_s(model, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> float:
+    now = clock(device)
+    model.eval()
+    with torch.no_grad():
+        sync(device)
+        t0 = now()
+        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             use_cache=True, pad_token_id=0)
+        sync(device)
+        elapsed = now() - t0
+    model.train()
+    assert out.shape[1] == prompt.shape[1] + new_tokens
+    return new_tokens * prompt.shape[0] / elapsed
+
+
+def profile_step(name: str, step, rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    print(f"\n--- {name}: top operators of one train step (self CPU time) ---")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=704)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--attn", default="sdpa", help="attention implementation for every model")
+    parser.add_argument("--models", default=None, help="comma list (default: all available)")
+    parser.add_argument("--reps", type=int, default=7, help="interleaved train-step repeats")
+    parser.add_argument("--decode-reps", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on shared machines)")
+    parser.add_argument("--profile", action="store_true", help="print the top operators of each train step")
+    parser.add_argument("--out", default=str(REPO / "docs" / "bench" / "models.jsonl"))
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    machine = machine_name(device)
+    models = build_models(args, device, dtype)
+    print(f"# bench_models  machine: {machine}  torch {torch.__version__}  commit {git_commit()}")
+    print(f"# {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, vocab {args.vocab}, "
+          f"batch {args.batch} × seq {args.seq}, {args.dtype}, attn {args.attn}; {args.reps} interleaved reps, "
+          f"{'process CPU time' if device.type == 'cpu' else 'wall time'}")
+    if "moda" not in models:
+        print("# MoDA: depthfusion_hf.MoDAForCausalLM not available, skipped")
+    n_params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+    steps = {name: make_train_step(m, batch) for name, m in models.items()}
+    for step in steps.values():  # warm-up (allocator, optimiser state)
+        step()
+        step()
+    now = clock(device)
+    train: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(args.reps):
+        for name, step in steps.items():
+            sync(device)
+            t0 = now()
+            step()
+            sync(device)
+            train[name].append(now() - t0)
+    peak = {name: peak_memory_bytes(step, device) / 2**20 for name, step in steps.items()}
+
+    prompt = torch.randint(3, args.vocab, (1, args.prompt), generator=gen).to(device)
+    for m in models.values():
+        decode_tokens_per_s(m, prompt, 4, device)  # warm-up
+    decode: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(args.decode_reps):
+        for name, m in models.items():
+            decode[name].append(decode_tokens_per_s(m, prompt, args.new_tokens, device))
+
+    t_med = {name: statistics.median(v) * 1e3 for name, v in train.items()}
+    d_med = {name: statistics.median(v) for name, v in decode.items()}
+    base = "llama"
+    print(f"\n{'model':>16} | {'params':>8} | {'train ms':>9} {'×Llama':>7} | {'peak MiB':>8} {'×Llama':>7} | "
+          f"{'decode tok/s':>12} {'×Llama':>7} | targets")
+    results = []
+    for name in models:
+        r_t, r_m, r_d = t_med[name] / t_med[base], peak[name] / peak[base], d_med[name] / d_med[base]
+        verdicts = []
+        for metric, bound in TARGETS.get(name, {}).items():
+            value = r_t if metric == "train" else r_d
+            ok = value <= bound if metric == "train" else value >= bound
+            verdicts.append(f"{metric} {'≤' if metric == 'train' else '≥'} {bound}: {'met' if ok else 'MISSED'}")
+        print(f"{name:>16} | {n_params[name] / 1e6:7.2f}M | {t_med[name]:9.1f} {r_t:6.3f}× | {peak[name]:8.1f} "
+              f"{r_m:6.3f}× | {d_med[name]:12.1f} {r_d:6.3f}× | {'; '.join(verdicts)}")
+        results.append(dict(model=name, params=n_params[name], train_ms=t_med[name], train_ms_all=train[name],
+                            peak_mib=peak[name], decode_tok_s=d_med[name], decode_all=decode[name],
+                            train_ratio=r_t, peak_ratio=r_m, decode_ratio=r_d))
+    spread = {name: (max(v) - min(v)) / statistics.median(v) for name, v in train.items()}
+    print("\ntrain-step spread (max-min)/median: " + ", ".join(f"{n} {s:.0%}" for n, s in spread.items()))
+
+    if args.profile:
+        for name, step in steps.items():
+            profile_step(name, step, 14)
+
+    if not args.no_save:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        record = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine,
+                      torch=torch.__version__, commit=git_commit(), args=vars(args), results=results)
+        with open(out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"\nappended to {out}")
+
+
+if __name__ == "__main__":
+    main()
