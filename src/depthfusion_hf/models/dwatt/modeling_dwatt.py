@@ -44,6 +44,9 @@ class DWAttPreTrainedModel(PreTrainedModel):
     config_class = DWAttConfig
     base_model_prefix = "backbone"
     supports_gradient_checkpointing = True
+    # The fusion heads read every layer's output at once: keep each on one device under device_map="auto"
+    # (the backbone's own `_no_split_modules` are added by transformers).
+    _no_split_modules = ["DWAttDepthAttention", "DWAttConcatFusion", "DWAttDeeperFusion"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
