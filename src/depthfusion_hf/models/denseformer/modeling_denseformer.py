@@ -68,6 +68,17 @@ class DenseFormerDWA(nn.Module):
         # Block outputs that some later DWA step reads; the others need not be kept.
         self.needed = sorted({j for i in self.steps for j in self.sources[i]})
 
+    def forward(self, sources: list[torch.Tensor], step: int) -> torch.Tensor:
+        """The DWA step after block ``step``: ``sum_j alpha[step, j] X_j`` over ``sources``.
+
+        Args:
+            sources: the block outputs ``X_j`` for ``j`` in ``S(step)``, in that order, each [B, T, D].
+            step: the block index ``i`` (``p | i``).
+        Returns:
+            ``Y_step``: [B, T, D].
+        """
+        return depth_weighted_average(sources, self.step_weights(step))
+
     def identity_alphas(self, total: int | None = None) -> torch.Tensor:
         """The initial weights: ``alpha[i, i] = 1`` and 0 elsewhere (the DenseFormer is a plain transformer)."""
         total = self.alphas.numel() if total is None else total
@@ -221,8 +232,12 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
             if i in needed:
                 block_outputs[i] = hidden_states
             if i in self.dwa.offsets:
-                sources = [block_outputs[j] for j in self.dwa.sources[i]]
-                hidden_states = depth_weighted_average(sources, self.dwa.step_weights(i))
+                # With device_map="auto" over several devices the block outputs may sit on different ones
+                # (`.to` is a no-op on one device); calling the module lets accelerate's hooks place (or load
+                # offloaded) DWA weights.
+                device = hidden_states.device
+                sources = [block_outputs[j].to(device) for j in self.dwa.sources[i]]
+                hidden_states = self.dwa(sources, i)
 
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
