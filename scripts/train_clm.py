@@ -35,6 +35,8 @@ from depthfusion_hf.recipes.clm import (
     build_config,
     build_model,
     family_kwargs,
+    get_last_checkpoint,
+    is_main_process,
     load_arch,
     results_table,
     train_one,
@@ -76,16 +78,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.1)
     p.add_argument("--warmup_ratio", type=float, default=0.05)
     p.add_argument("--eval_steps", type=int, default=100)
+    p.add_argument("--logging_steps", type=int, default=10, help="log the training loss every N steps")
     p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: only the final model)")
     p.add_argument("--resume_from_checkpoint", default=None,
                    help="a checkpoint folder, or 'latest' for the newest one in the output folder")
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--ddp_backend", default=None, choices=["gloo", "nccl", "mpi", "ccl", "hccl", "cncl", "mccl"],
+                   help="torch.distributed backend under torchrun / accelerate launch (default: the Trainer's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="outputs/clm")
     args = p.parse_args(argv)
     if args.max_steps < 1:
         p.error(f"--max_steps must be >= 1; got {args.max_steps}")
+    if args.logging_steps < 1:
+        p.error(f"--logging_steps must be >= 1; got {args.logging_steps}")
     return args
 
 
@@ -127,21 +134,25 @@ def main(argv: list[str] | None = None) -> dict:
     settings = TrainSettings(
         max_steps=args.max_steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
         weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, eval_steps=args.eval_steps,
-        save_steps=args.save_steps, seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_checkpointing=args.gradient_checkpointing, bf16=args.bf16,
+        save_steps=args.save_steps, logging_steps=args.logging_steps, seed=args.seed,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_checkpointing=args.gradient_checkpointing, bf16=args.bf16, ddp_backend=args.ddp_backend,
     )
     name = args.model + (f" {args.dwa_dilation}x{args.dwa_period}" if args.model == "denseformer" else "")
     resume = args.resume_from_checkpoint
     resume = True if resume == "latest" else resume
+    # Under torchrun / accelerate launch every rank trains; only the main process writes plots and results
+    # (train_one already saves the final folders from rank 0 only).
+    main_process = is_main_process()
 
     set_seed(args.seed)
     model = build_model(args.model, arch, tokenizer, init_from=args.init_from, **kwargs)
     runs = [train_one(name, model, train, val, out / args.model, settings, tokenizer, resume)]
-    if args.model == "denseformer":
+    if args.model == "denseformer" and main_process:
         heatmap = plot_dwa_heatmap(model.dwa_weights(), out / "dwa_weights.png",
                                    title=f"learned DWA weights ({name}, {args.max_steps} steps)")
         print(f"DWA heatmap: {heatmap}")
-    if hasattr(model, "depth_attention_share"):
+    if hasattr(model, "depth_attention_share") and main_process:
         share = model.depth_attention_share(torch.tensor(val[0]["input_ids"])[None].to(model.device))
         plot_per_layer(share, out / "moda_depth_share.png", "attention mass on depth entries",
                        "MoDA: share of attention on depth KVs per layer")
@@ -149,7 +160,10 @@ def main(argv: list[str] | None = None) -> dict:
         set_seed(args.seed)
         base_arch = baseline_arch(model)
         baseline = build_model("llama", base_arch, tokenizer, init_from=args.init_from)
-        runs.append(train_one("llama (baseline)", baseline, train, val, out / "llama", settings, tokenizer))
+        # "latest" also resumes the baseline when the interrupted job had reached it.
+        base_resume = resume is True and get_last_checkpoint(out / "llama") is not None
+        runs.append(train_one("llama (baseline)", baseline, train, val, out / "llama", settings, tokenizer,
+                              base_resume or None))
 
     table = results_table(runs)
     print("\n" + table + "\n")
@@ -159,8 +173,9 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": [{k: v for k, v in asdict(r).items()} | {"perplexity": r.perplexity} for r in runs],
         "table": table,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (out / "results.md").write_text(table + "\n")
+    if main_process:
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        (out / "results.md").write_text(table + "\n")
     return results
 
 

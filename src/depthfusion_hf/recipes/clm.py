@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint as _last_checkpoint
 
 import depthfusion_hf
 
@@ -111,6 +113,7 @@ class TrainSettings:
     gradient_accumulation_steps: int = 1
     gradient_checkpointing: bool = False
     bf16: bool = False
+    ddp_backend: str | None = None  # torch.distributed backend under torchrun / accelerate ("gloo" on CPU)
     extra: dict = field(default_factory=dict)
 
 
@@ -142,8 +145,24 @@ def training_arguments(output_dir: Path, settings: TrainSettings) -> TrainingArg
         activation_checkpointing=settings.gradient_checkpointing,
         bf16=settings.bf16,
         use_cpu=not torch.cuda.is_available(),
+        ddp_backend=settings.ddp_backend,
+        # Every parameter of our models (and the Llama baseline) takes part in each forward pass, so DDP
+        # need not search the graph for unused ones.
+        ddp_find_unused_parameters=False,
         **settings.extra,
     )
+
+
+def is_main_process() -> bool:
+    """True on the process that writes outputs: rank 0 under torchrun / accelerate launch, or a single process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def get_last_checkpoint(output_dir: str | Path) -> str | None:
+    """The newest ``checkpoint-N`` folder in ``output_dir`` (None when there is none or the folder is missing)."""
+    return _last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
 
 
 @dataclass
@@ -225,6 +244,8 @@ __all__ = [
     "build_config",
     "build_model",
     "family_kwargs",
+    "get_last_checkpoint",
+    "is_main_process",
     "load_arch",
     "results_table",
     "train_one",
