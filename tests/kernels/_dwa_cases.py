@@ -71,3 +71,35 @@ def assert_matches_reference(y, grads, sources, weights, grad_out) -> None:
     for n, (dx, dx_ref) in enumerate(zip(dxs, dxs_ref)):
         assert dx.dtype == dtype and dx.shape == sources[n].shape
         assert rel_rms(dx, dx_ref) <= tol, f"grad of source {n}: rel-RMS {rel_rms(dx, dx_ref):.3g} > {tol}"
+
+
+# (depth d, dilation k, period p) of simulated DenseFormers.
+CHAINS = [(6, 1, 1), (12, 4, 5), (7, 2, 3)]
+
+
+def dense_chain_loss(depth: int, dilation: int, period: int, x0: torch.Tensor, scales: torch.Tensor,
+                     alphas: torch.Tensor, step_fn) -> torch.Tensor:
+    """A k×p DenseFormer with blocks ``X_i = tanh(Y_{i-1}) * scales[i - 1]``; ``step_fn(sources, ids, w)``: DWA."""
+    outputs = {0: x0}
+    x, offset = x0, 0
+    for i in range(1, depth + 1):
+        x = torch.tanh(x) * scales[i - 1]
+        outputs[i] = x
+        if i % period == 0:
+            ids = list(range(i % dilation, i + 1, dilation))
+            x = step_fn([outputs[j] for j in ids], ids, alphas[offset : offset + len(ids)])
+            offset += len(ids)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    return x.square().mean()
+
+
+def chain_inputs(depth: int, dilation: int, period: int, dtype: torch.dtype, device: str, shape=(3, 50)):
+    """Leaf ``x0`` [*shape], ``scales`` [depth] and packed ``alphas`` for :func:`dense_chain_loss`."""
+    gen = torch.Generator().manual_seed(depth * 100 + dilation * 10 + period)
+    n_alpha = sum(len(range(i % dilation, i + 1, dilation)) for i in range(1, depth + 1) if i % period == 0)
+    x0 = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(True)
+    scales = (1 + 0.1 * torch.randn(depth, generator=gen)).to(device, dtype).requires_grad_(True)
+    alpha_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    alphas = torch.randn(n_alpha, generator=gen).to(device, alpha_dtype).requires_grad_(True)
+    return x0, scales, alphas

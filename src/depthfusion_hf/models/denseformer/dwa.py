@@ -23,9 +23,14 @@ from collections.abc import Sequence
 import torch
 
 try:  # Triton is optional: the model loads and runs without it.
-    from .dwa_triton import dwa_triton_forward_backward_available, triton_depth_weighted_average
+    from .dwa_triton import (
+        dwa_triton_forward_backward_available,
+        triton_depth_weighted_average,
+        triton_dwa_weight_grad,
+    )
 except Exception:  # pragma: no cover - depends on the environment
     triton_depth_weighted_average = None
+    triton_dwa_weight_grad = None
 
     def dwa_triton_forward_backward_available() -> bool:
         """Triton could not be imported: the fused kernel is unavailable."""
@@ -162,13 +167,17 @@ def _dwa_small(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.
 
     Plain autograd ops; half-precision inputs are computed in fp32 and rounded once.
     """
-    dtype = sources[0].dtype
+    first = sources[0]
+    dtype = first.dtype
     acc_dtype = _accumulation_dtype(dtype)
-    stacked = torch.stack([x.reshape(-1) for x in sources])  # (N, M)
-    if stacked.dtype != acc_dtype:
+    stacked = torch.stack(tuple(sources)).view(len(sources), -1)  # (N, M), contiguous
+    if acc_dtype != dtype:
         stacked = stacked.to(acc_dtype)
-    out = torch.mv(stacked.t(), weights.to(acc_dtype))  # (M,)
-    return out.to(dtype).view(sources[0].shape)
+    w = weights if weights.dtype == acc_dtype else weights.to(acc_dtype)
+    out = torch.mv(stacked.t(), w)  # (M,)
+    if acc_dtype != dtype:
+        out = out.to(dtype)
+    return out.view(first.shape)
 
 
 def dwa_torch(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
@@ -213,3 +222,146 @@ def depth_weighted_average(
     if choice == "triton":
         return triton_depth_weighted_average(sources, weights)
     return dwa_torch(sources, weights)
+
+
+def _weight_grad_torch(sources: Sequence[torch.Tensor], grad_out: torch.Tensor) -> torch.Tensor:
+    """``[<grad_out, sources[n]>]_n`` as [N] in the accumulation dtype (dot products, no temporaries)."""
+    acc_dtype = _accumulation_dtype(grad_out.dtype)
+    g = grad_out.reshape(-1).to(acc_dtype)
+    return torch.stack([torch.dot(g, x.reshape(-1).to(acc_dtype)) for x in sources])
+
+
+class _GatheredDWAStep(torch.autograd.Function):
+    """One step of a :class:`DepthWeightedAverageRun` (inputs: run, step, ids, owned, backend, weights, *sources)."""
+
+    @staticmethod
+    def forward(ctx, run, step, source_ids, owned, backend, weights, *sources):
+        ctx.run, ctx.step, ctx.source_ids, ctx.owned, ctx.backend = run, step, source_ids, owned, backend
+        ctx.save_for_backward(weights, *sources)
+        if backend == "triton":
+            return triton_depth_weighted_average(list(sources), weights)
+        return dwa_torch(list(sources), weights)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        weights, *sources = ctx.saved_tensors
+        run: DepthWeightedAverageRun = ctx.run
+        backend = ctx.backend
+        run._queue_end_of_backward_check()
+        grad_weights = None
+        if ctx.needs_input_grad[5]:
+            if backend == "triton" and not torch.is_grad_enabled():
+                grad_weights = triton_dwa_weight_grad(sources, grad_out)
+            else:
+                grad_weights = _weight_grad_torch(sources, grad_out)
+            grad_weights = grad_weights.to(weights.dtype)
+        keep_graph = torch.is_grad_enabled()  # create_graph: keep the weights as tensors
+        w = weights if keep_graph else weights.detach()
+        grad_sources: list[torch.Tensor | None] = []
+        for n, j in enumerate(ctx.source_ids):
+            if not ctx.needs_input_grad[6 + n]:
+                grad_sources.append(None)
+                continue
+            if not ctx.owned[n]:
+                # An earlier step also reads X_j: leave (w, g) for it (no tensor is allocated here).
+                if j in run._gathered:
+                    raise RuntimeError(
+                        f"DepthWeightedAverageRun: the step that reads source {j} first ran its backward before "
+                        "a later step reading it; every step's output must feed all later steps (as in a "
+                        "DenseFormer). Use depth_weighted_average for other graphs."
+                    )
+                run._pending.setdefault(j, []).append((w[n], grad_out))
+                grad_sources.append(None)
+                continue
+            # The earliest step reading X_j runs its backward last: gather all contributions at once.
+            terms = run._pending.pop(j, [])
+            terms.append((w[n], grad_out))
+            run._gathered.add(j)
+            gs = [g for _, g in terms]
+            ws = torch.stack([wt for wt, _ in terms])
+            if backend == "triton" and not keep_graph:
+                grad_sources.append(triton_depth_weighted_average(gs, ws).view(sources[n].shape))
+            else:
+                grad_sources.append(dwa_torch(gs, ws).view(sources[n].shape))
+        return (None, None, None, None, None, grad_weights, *grad_sources)
+
+
+class DepthWeightedAverageRun:
+    """The DWA steps of one forward pass, with one gradient tensor per source instead of one per use.
+
+    With :func:`depth_weighted_average`, every step gives every source its own gradient ``w[n] * g``
+    and autograd sums them into the source's gradient: a 1×1 DenseFormer's backward allocates,
+    writes and adds ``d (d + 3) / 2`` full-size tensors. Here a step's backward only records
+    ``(w[n], g)`` for a source that an earlier step also reads; the earliest step reading it (the
+    last one to run backward) returns ``sum_i w_i * g_i`` over all recorded pairs, computed as one
+    DWA (one read of each ``g_i``, one write). Values and gradients equal those of
+    :func:`depth_weighted_average`.
+
+    Contract: every step's output feeds (through the blocks) every later step, as in a DenseFormer,
+    so within one backward pass the later steps run first and the earliest reader of each source
+    runs. A violation (an earliest reader running too early, or a backward pass that ends with
+    contributions nobody gathered) raises ``RuntimeError`` instead of returning a wrong gradient.
+    Create one run per forward pass. Without gradients (inference, decoding) it simply calls
+    :func:`depth_weighted_average`.
+
+    Example::
+
+        run = DepthWeightedAverageRun()
+        y = run([x0, x1], [0, 1], w1)          # the step after block 1 reads X_0 and X_1
+        y = run([x0, x1, x2], [0, 1, 2], w2)   # after block 2 ...
+    """
+
+    def __init__(self, backend: str | None = None):
+        self.backend = backend
+        self._owner: dict[int, int] = {}
+        self._n_steps = 0
+        self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._gathered: set[int] = set()
+        self._check_queued = False
+
+    def _queue_end_of_backward_check(self) -> None:
+        """Once per backward pass: at its end, fail on ungathered contributions and reset the state."""
+        if not self._check_queued:
+            self._check_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        leftover = sorted(self._pending)
+        self._pending.clear()
+        self._gathered.clear()
+        self._check_queued = False
+        if leftover:
+            raise RuntimeError(
+                f"DepthWeightedAverageRun: the backward pass ended before the earliest step reading sources "
+                f"{leftover} ran, so their gradients from later steps were never gathered; every step's output "
+                "must feed all later steps (as in a DenseFormer). Use depth_weighted_average for other graphs."
+            )
+
+    def __call__(
+        self,
+        states: torch.Tensor | Sequence[torch.Tensor],
+        source_ids: Sequence[int],
+        weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """One DWA step: ``sum_n weights[n] * states[n]``.
+
+        Args:
+            states: a tensor [N, *S] or a sequence of N tensors of shape S.
+            source_ids: N distinct integers naming the sources across steps (e.g. block indices j).
+            weights: [N].
+        Returns:
+            [*S] in the states' dtype.
+        """
+        sources = _as_list(states)
+        _check_inputs(sources, weights)
+        ids = tuple(int(j) for j in source_ids)
+        if len(ids) != len(sources) or len(set(ids)) != len(ids):
+            raise ValueError(f"source_ids must hold {len(sources)} distinct integers; got {list(source_ids)}")
+        choice = resolve_backend(self.backend, sources[0].device)
+        needs_grad = torch.is_grad_enabled() and (weights.requires_grad or any(x.requires_grad for x in sources))
+        if choice == "reference" or not needs_grad:
+            return depth_weighted_average(sources, weights, backend=choice)
+        step = self._n_steps
+        self._n_steps += 1
+        owned = tuple(self._owner.setdefault(j, step) == step for j in ids)
+        return _GatheredDWAStep.apply(self, step, ids, owned, choice, weights, *sources)
