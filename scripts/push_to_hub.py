@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = args.repo_id.split("/")[-1] if args.repo_id else f"{model.config.model_type}-export"
     folder = Path(args.output_dir) if args.output_dir else Path("exports") / name
     folder = export_model(model, folder, tokenizer=tokenizer, repo_id=args.repo_id, results=results,
-                          dataset=args.dataset)
+                          dataset=args.dataset, trained=not args.random_init)
     print(f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
     if tokenizer is None:
         print("warning: no tokenizer in the export (give --tokenizer); pipelines need one", file=sys.stderr)

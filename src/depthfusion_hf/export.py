@@ -60,6 +60,12 @@ def _add_base_model_entry(folder: Path, model: PreTrainedModel) -> None:
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_replace_dir(staging: Path, target: Path) -> None:
     """Move the finished ``staging`` folder to ``target``, replacing any old one without a gap of junk.
 
@@ -113,6 +119,7 @@ def save_remote_code_folder(
             tokenizer.save_pretrained(staging)
         if model_card is not None:
             (staging / "README.md").write_text(model_card)
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes 0700; give the folder the usual permissions
         if check:
             problems = check_export_folder(staging, tokenizer=tokenizer is not None,
                                            model_card=model_card is not None)
@@ -418,6 +425,7 @@ def build_model_card(
     results: Sequence[Mapping[str, Any]] | None = None,
     template_dir: str | os.PathLike | None = None,
     dataset: str | None = None,
+    trained: bool = True,
 ) -> str:
     """Render ``model_cards/<model_type>.md`` for ``model``: numbers from its config, and results if given.
 
@@ -428,6 +436,7 @@ def build_model_card(
             ``model-index`` and results table. ``None``: the card claims no results and has no ``model-index``.
         template_dir: folder holding ``<model_type>.md``; defaults to :func:`default_model_cards_dir`.
         dataset: the training data's Hub id for the ``datasets`` metadata (default: the reference run's).
+        trained: ``False`` for a random initialisation: the card names no training data and no results.
     Returns:
         The card text (YAML front matter + markdown).
     Raises:
@@ -437,10 +446,16 @@ def build_model_card(
     template_path = template_dir / f"{model.config.model_type}.md"
     if not template_path.is_file():
         raise FileNotFoundError(f"model card template not found: {template_path}")
+    if not trained and results:
+        raise ValueError("a randomly initialised model has no measured results")
     values = model_card_values(model, repo_id, dataset=dataset)
+    if not trained:
+        values["dataset"] = "nothing: randomly initialised weights"
     values["results_section"] = _results_section(results)
     meta, body = split_front_matter(render_template(template_path.read_text(), values))
     meta.pop("model-index", None)
+    if not trained:
+        meta.pop("datasets", None)
     if results:
         meta["model-index"] = model_index(repo_id.rstrip("/").split("/")[-1], results)
     return join_front_matter(meta, body)
@@ -454,6 +469,7 @@ def export_model(
     results: Sequence[Mapping[str, Any]] | None = None,
     template_dir: str | os.PathLike | None = None,
     dataset: str | None = None,
+    trained: bool = True,
 ) -> Path:
     """Write a complete Hub-ready folder atomically: config with ``auto_map``, code, safetensors, tokenizer,
     generation config (causal LMs) and a model card; then check it (:func:`check_export_folder`).
@@ -463,7 +479,7 @@ def export_model(
         folder: the target; an existing folder is replaced only once the new one is complete.
         tokenizer: saved with the model (the pipelines need it).
         repo_id: the Hub id named in the card (default: ``"<user>/<folder name>"``).
-        results, template_dir, dataset: see :func:`build_model_card`.
+        results, template_dir, dataset, trained: see :func:`build_model_card`.
     Returns:
         The folder's path.
     Raises:
@@ -471,7 +487,7 @@ def export_model(
     """
     target = Path(folder).resolve()
     card = build_model_card(model, repo_id or f"<user>/{target.name}", results=results,
-                            template_dir=template_dir, dataset=dataset)
+                            template_dir=template_dir, dataset=dataset, trained=trained)
     return save_remote_code_folder(model, target, tokenizer=tokenizer, model_card=card, check=True)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -100,8 +101,12 @@ def test_random_init_from_config_claims_no_results(tmp_path, monkeypatch):
     folder = Path(summary["folder"])
     assert check_export_folder(folder, model_card=True) == []
     assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 3
-    assert "model-index" not in metadata_load(folder / "README.md")
+    meta = metadata_load(folder / "README.md")
+    assert "model-index" not in meta and "datasets" not in meta  # an untrained model claims neither
     assert "No measured results" in (folder / "README.md").read_text()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~mask  # the usual mode, not the staging temp dir's 0700
 
 
 @pytest.mark.parametrize("argv", [[], ["--config", "c.json"], ["folder", "--random-init"], ["folder", "--config", "c"]])
