@@ -131,6 +131,9 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
             labels["label2id"] = label2id or {label: int(i) for i, label in id2label.items()}
         elif num_labels is not None:
             labels["num_labels"] = num_labels
+        # Keep the backbone's attention implementation: setting the parent's (None by default) would
+        # propagate to the sub-config and make the encoder fall back to eager attention.
+        config_kwargs.setdefault("attn_implementation", backbone.config._attn_implementation)
         config = DWAttConfig(backbone_config=backbone.config, fusion=fusion, **labels, **config_kwargs)
         return cls(config, backbone=backbone)
 
