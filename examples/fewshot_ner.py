@@ -53,7 +53,7 @@ def main() -> None:
 
     head = [p for n, p in model.named_parameters() if not n.startswith("backbone.")]
     body = [p for n, p in model.named_parameters() if n.startswith("backbone.")]
-    optimizer = torch.optim.AdamW([{"params": body, "lr": 1e-4}, {"params": head, "lr": 1e-3}])
+    optimizer = torch.optim.AdamW([{"params": body, "lr": 3e-4}, {"params": head, "lr": 3e-3}])
     with tempfile.TemporaryDirectory() as workdir:
         args = TrainingArguments(output_dir=workdir, max_steps=30, per_device_train_batch_size=8, warmup_steps=0.1,
                                  per_device_eval_batch_size=64, report_to=[], save_strategy="no",
