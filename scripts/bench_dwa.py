@@ -11,7 +11,9 @@ Simulates a k×p DenseFormer of ``d`` blocks in which each block is a cheap memo
                 ``tensordot(alpha, accumulator[:n])`` -- the **baseline**;
 - ``reference`` the paper's naive loop (Listing 1), ``backend="reference"``;
 - ``torch``     our PyTorch path over the list of sources (``backend="torch"``);
-- ``triton``    our fused kernel (``backend="triton"``, CUDA only).
+- ``triton``    our fused kernel (``backend="triton"``, CUDA only);
+- ``*-run``     the same through ``DepthWeightedAverageRun``: each block output's gradient is gathered
+                once in the backward instead of one tensor per (step, source) pair.
 
 Reported per (depth, k×p): median time of forward+backward, peak memory allocated during it,
 and ratios against the baseline; ``DWA ms`` is the time above ``none``. On CUDA a second table
@@ -38,7 +40,11 @@ from pathlib import Path
 
 import torch
 
-from depthfusion_hf.models.denseformer.dwa import depth_weighted_average, dwa_triton_forward_backward_available
+from depthfusion_hf.models.denseformer.dwa import (
+    DepthWeightedAverageRun,
+    depth_weighted_average,
+    dwa_triton_forward_backward_available,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -152,17 +158,23 @@ def make_runner(impl: str, depth: int, dilation: int, period: int, x0: torch.Ten
         return run, [scales, *mod.alphas]
 
     ours = OurDWA(depth, dilation, period, dev, torch.float32)
-    backend = None if impl == "none" else impl
+    backend = None if impl == "none" else impl.removesuffix("-run")
+    gathered = impl.endswith("-run")
 
     def run() -> torch.Tensor:
         x = x0
         outputs = {0: x} if 0 in ours.needed else {}
+        dwa_run = DepthWeightedAverageRun(backend) if gathered else None
         for i in range(1, depth + 1):
             x = x * scales[i - 1]
             if i in ours.needed:
                 outputs[i] = x
             if backend is not None and i in ours.offsets:
-                x = depth_weighted_average([outputs[j] for j in ours.sources[i]], ours.weights(i), backend=backend)
+                ids = ours.sources[i]
+                if dwa_run is not None:
+                    x = dwa_run([outputs[j] for j in ids], ids, ours.weights(i))
+                else:
+                    x = depth_weighted_average([outputs[j] for j in ids], ours.weights(i), backend=backend)
         loss = x.float().square().mean()
         loss.backward()
         return loss
@@ -338,16 +350,16 @@ def main() -> None:
         shape = (8, 2048, 2048) if device.type == "cuda" else (2, 256, 256)
     reps = args.reps or (20 if device.type == "cuda" else 5)
     now = clock(device)
-    impls = ["none", "paper", "reference", "torch"]
+    impls = ["none", "paper", "reference", "torch", "torch-run"]
     if device.type == "cuda" and dwa_triton_forward_backward_available():
-        impls.append("triton")
+        impls += ["triton", "triton-run"]
     machine = machine_name(device)
     print(f"# bench_dwa  machine: {machine}  torch {torch.__version__}  commit {git_commit()}")
     timer = "process CPU time" if device.type == "cpu" else "wall time"
     print(f"# state {shape} {args.dtype}, {reps} interleaved repeats, median fwd+bwd {timer}; baseline = paper")
 
     results = []
-    header = f"{'d':>3} {'k×p':>4} | " + " | ".join(f"{name:>22}" for name in impls[1:])
+    header = f"{'d':>3} {'k×p':>4} | " + " | ".join(f"{name:>34}" for name in impls[1:])
     print(f"\n{'':>9}   time ms (DWA ms above 'none', ×paper) / peak MiB (×paper)")
     print(header)
     print("-" * len(header))
