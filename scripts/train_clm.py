@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from depthfusion_hf.data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer
 from depthfusion_hf.plotting import plot_dwa_heatmap, plot_per_layer
@@ -39,6 +39,7 @@ from depthfusion_hf.recipes.clm import (
     is_main_process,
     load_arch,
     results_table,
+    sharded_training,
     train_one,
 )
 
@@ -148,12 +149,16 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(args.seed)
     model = build_model(args.model, arch, tokenizer, init_from=args.init_from, **kwargs)
     runs = [train_one(name, model, train, val, out / args.model, settings, tokenizer, resume)]
+    # Under FSDP / DeepSpeed the in-memory parameters may be shards: plot from the saved (gathered) model.
+    trained = model
+    if main_process and sharded_training():
+        trained = AutoModelForCausalLM.from_pretrained(out / args.model / "final")
     if args.model == "denseformer" and main_process:
-        heatmap = plot_dwa_heatmap(model.dwa_weights(), out / "dwa_weights.png",
+        heatmap = plot_dwa_heatmap(trained.dwa_weights(), out / "dwa_weights.png",
                                    title=f"learned DWA weights ({name}, {args.max_steps} steps)")
         print(f"DWA heatmap: {heatmap}")
-    if hasattr(model, "depth_attention_share") and main_process:
-        share = model.depth_attention_share(torch.tensor(val[0]["input_ids"])[None].to(model.device))
+    if hasattr(trained, "depth_attention_share") and main_process:
+        share = trained.depth_attention_share(torch.tensor(val[0]["input_ids"])[None].to(trained.device))
         plot_per_layer(share, out / "moda_depth_share.png", "attention mass on depth entries",
                        "MoDA: share of attention on depth KVs per layer")
     if not args.no_baseline:

@@ -160,6 +160,12 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def sharded_training() -> bool:
+    """True when ``accelerate launch`` runs FSDP or DeepSpeed (parameters may be sharded across ranks)."""
+    flags = (os.environ.get("ACCELERATE_USE_FSDP", ""), os.environ.get("ACCELERATE_USE_DEEPSPEED", ""))
+    return any(flag.lower() in ("1", "true") for flag in flags)
+
+
 def get_last_checkpoint(output_dir: str | Path) -> str | None:
     """The newest ``checkpoint-N`` folder in ``output_dir`` (None when there is none or the folder is missing)."""
     return _last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
@@ -202,23 +208,47 @@ def train_one(
     metrics = trainer.evaluate()
     tokens = settings.max_steps * settings.batch_size * settings.gradient_accumulation_steps
     tokens *= len(train_dataset[0]["input_ids"]) * max(1, args.world_size)
+    to_save = unsharded_model(trainer, model)
     if trainer.is_world_process_zero():
         final = output_dir / "final"
-        if isinstance(model, LlamaForCausalLM):
-            model.save_pretrained(final)
+        if isinstance(to_save, LlamaForCausalLM):
+            to_save.save_pretrained(final)
             if tokenizer is not None:
                 tokenizer.save_pretrained(final)
         else:
-            save_remote_code_folder(model, final, tokenizer=tokenizer)
+            save_remote_code_folder(to_save, final, tokenizer=tokenizer)
     return RunResult(
         name=name,
-        parameters=sum(p.numel() for p in model.parameters()),
+        # DeepSpeed ZeRO-3 leaves empty local partitions; `ds_numel` is the full size.
+        parameters=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
         eval_loss=float(metrics["eval_loss"]),
         train_loss=float(train_output.training_loss),
         train_seconds=float(seconds),
         tokens_per_second=tokens / max(float(seconds), 1e-9),
         log_history=trainer.state.log_history,
     )
+
+
+def unsharded_model(trainer: Trainer, model: PreTrainedModel) -> PreTrainedModel | None:
+    """``model`` itself, or under FSDP / DeepSpeed an unsharded copy holding the gathered weights (on rank 0).
+
+    Every rank must call this (the gather is a collective); other ranks get ``None`` when a copy is made.
+    Without FSDP or DeepSpeed (one process, DDP) nothing is gathered and ``model`` comes back on every rank.
+    Not exercised by the CPU tests: the Trainer runs neither FSDP nor DeepSpeed without GPUs.
+    """
+    if not (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled):
+        return model
+    state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # full tensors on rank 0 only
+    if not trainer.is_world_process_zero():
+        return None
+    copy = type(model)(model.config)
+    missing, unexpected = copy.load_state_dict(state_dict, strict=False)
+    tied = set(getattr(copy, "all_tied_weights_keys", {}) or {})
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"gathered state dict does not fit {type(model).__name__}: missing {missing}, "
+                           f"unexpected {unexpected}")
+    copy.tie_weights()
+    return copy
 
 
 def results_table(results: list[RunResult]) -> str:
@@ -248,6 +278,8 @@ __all__ = [
     "is_main_process",
     "load_arch",
     "results_table",
+    "sharded_training",
     "train_one",
     "training_arguments",
+    "unsharded_model",
 ]
