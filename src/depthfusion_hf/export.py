@@ -215,8 +215,8 @@ def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, mode
 
 
 def default_model_cards_dir() -> Path:
-    """``model_cards/`` of the source checkout this package is installed from (editable install)."""
-    return Path(__file__).resolve().parents[2] / "model_cards"
+    """The card templates shipped inside the package (``model_cards/`` at the repo root links here)."""
+    return Path(__file__).resolve().parent / "model_cards"
 
 
 def split_front_matter(text: str) -> tuple[dict, str]:
