@@ -37,6 +37,7 @@ from seqeval.metrics import f1_score, precision_score, recall_score  # noqa: E40
 from transformers import (  # noqa: E402
     AutoTokenizer,
     DataCollatorForTokenClassification,
+    PrinterCallback,
     Trainer,
     TrainingArguments,
     set_seed,
@@ -234,6 +235,7 @@ def run_one(args: argparse.Namespace, encoder: str, tokenizer, train: list[Sente
     trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset,
                       data_collator=DataCollatorForTokenClassification(tokenizer),
                       optimizers=(build_optimizer(model, args), None))
+    trainer.remove_callback(PrinterCallback)  # it prints the end-of-training metrics dict; we print one line
     start = time.perf_counter()
     result = trainer.train()
     train_seconds = time.perf_counter() - start
