@@ -199,8 +199,8 @@ def score(trainer: Trainer, dataset: Dataset, sentences: list[Sentence], tokeniz
     gold = [s["ner_tags"] for s in sentences]
     predicted = [word_predictions(encoding.word_ids(i), token_predictions[i], len(s["tokens"]), id2label)
                  for i, s in enumerate(sentences)]
-    return {"f1": 100 * f1_score(gold, predicted), "precision": 100 * precision_score(gold, predicted),
-            "recall": 100 * recall_score(gold, predicted)}
+    scores = {"f1": f1_score, "precision": precision_score, "recall": recall_score}
+    return {name: 100 * fn(gold, predicted, zero_division=0) for name, fn in scores.items()}  # no entity predicted: 0
 
 
 def run_one(args: argparse.Namespace, encoder: str, tokenizer, train: list[Sentence], fusion: str, seed: int,
