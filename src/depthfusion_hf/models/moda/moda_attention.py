@@ -9,9 +9,17 @@ A query token attends, in ONE softmax with one scale, to
 Three implementations behind :func:`moda_attention`, one signature:
 
 - ``"reference"``: loops over batch, head and token, obviously correct, autograd does the rest.
-- ``"torch"``: vectorised (no Python loop over tokens or layers): sequence logits [.., T, S] and
-  depth logits [.., T, M] are concatenated along the last dim, one softmax, split. GQA reshapes the
-  queries to [B, Hkv, G, T, d] instead of copying keys with ``repeat_interleave``.
+- ``"torch"``: vectorised (no Python loop over tokens or layers), two implementations:
+
+  - on CPU (:func:`moda_torch_flash_cpu`): the sequence pool through SDPA's fused flash kernel
+    (``aten._scaled_dot_product_flash_attention_for_cpu``, which also returns the row log-sum-exp),
+    the depth pool as small batched products, merged exactly by log-sum-exp in one custom autograd
+    Function whose backward reuses the kernel's backward (no [T, S] matrix is kept);
+  - elsewhere, under a Python dispatch mode, or with a mask that needs a gradient
+    (:func:`moda_torch_math`): sequence logits [.., T, S] and depth logits [.., T, M] concatenated
+    along the last dim, one softmax, split.
+
+  GQA reshapes the queries to [B, Hkv, G, T, d] instead of copying keys with ``repeat_interleave``.
 - ``"triton"``: a fused kernel (``moda_triton.py``) for CUDA tensors, used when Triton imports.
 
 The backend is chosen by the ``backend`` argument, else the ``DEPTHFUSION_BACKEND`` environment
@@ -221,7 +229,7 @@ def moda_joint_probs(
     return _masked_softmax(torch.cat([seq_logits, depth_logits], dim=-1))
 
 
-def moda_torch(
+def moda_torch_math(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -231,7 +239,10 @@ def moda_torch(
     scale: float,
     causal: bool,
 ) -> torch.Tensor:
-    """Vectorised MoDA: one joint softmax (see :func:`moda_joint_probs`), then both weighted sums.
+    """Vectorised MoDA, materialised: one joint softmax (see :func:`moda_joint_probs`), then both weighted sums.
+
+    Holds the [B, Hq, T, S + M] probabilities (and autograd keeps several such tensors); any device,
+    twice differentiable. :func:`moda_torch` uses it where the fused CPU path does not apply.
 
     Args:
         q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
@@ -249,6 +260,197 @@ def moda_torch(
     depth_out = (depth_probs @ depth_v).transpose(2, 3)  # (B, Hkv, G, T, d)
     out = out + depth_out.to(probs.dtype)
     return out.reshape(batch, num_q_heads, q_len, head_dim).to(q.dtype)
+
+
+# The fused CPU flash-attention op of SDPA, which also returns the row log-sum-exp (absent in old builds).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_FLASH_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _sequence_mask(
+    attention_mask: torch.Tensor | None, causal: bool, q_len: int, kv_len: int, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
+    """The sequence-pool masking in the form the CPU flash kernel takes.
+
+    Returns ``(mask, is_causal, empty_rows)``: ``mask`` None or an additive 4-d mask in ``dtype``
+    broadcastable to [B, Hq, T, S]; ``is_causal`` for the kernel's own (top-left aligned, so only
+    exact when S = T) causal mask; ``empty_rows`` None or bool [b, h, T] (broadcastable to [B, Hq, T]),
+    True where a query row sees no sequence key at all (the kernel returns a log-sum-exp of 0 there).
+    """
+    is_causal = causal and q_len == kv_len
+    keep = None
+    if causal and q_len != kv_len and q_len > 1:  # bottom-right aligned causality: an explicit mask
+        keep = _causal_keep(q_len, kv_len, torch.device("cpu"))  # (T, S)
+    if attention_mask is None and keep is None:
+        return None, is_causal, None
+    if attention_mask is None:
+        mask = torch.zeros(q_len, kv_len, dtype=dtype)
+    elif attention_mask.dtype == torch.bool:
+        mask = torch.zeros(attention_mask.shape, dtype=dtype).masked_fill(~attention_mask, float("-inf"))
+    else:
+        mask = attention_mask.to(dtype)
+    if keep is not None:
+        mask = mask.masked_fill(~keep, float("-inf"))
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    empty_rows = None
+    if attention_mask is not None:
+        visible = mask > float("-inf")
+        if is_causal:
+            visible = visible & _causal_keep(q_len, kv_len, torch.device("cpu"))
+        empty = ~visible.any(dim=-1)  # (b, h, T)
+        if bool(empty.any()):
+            empty_rows = empty
+    return mask, is_causal, empty_rows
+
+
+class _MoDAFlashCPU(torch.autograd.Function):
+    """MoDA as SDPA's fused CPU flash attention over the sequence pool plus the depth pool, merged exactly.
+
+    With ``o_s``, ``lse_s`` the sequence pool's normalised output and row log-sum-exp (from the kernel)
+    and ``l_m = scale q . depth_k_m`` the depth logits, the joint softmax is
+
+        lse = logaddexp(lse_s, logsumexp_m l_m),  alpha = exp(lse_s - lse),  p_m = exp(l_m - lse)
+        out = alpha o_s + sum_m p_m depth_v_m.
+
+    Backward (FlashAttention style, nothing [T, S] saved): with ``D = rowsum(dO * out)`` every
+    joint logit gets ``dS = P (dP - D)``. The sequence part is the kernel's own backward called with
+    ``grad_out = alpha dO`` and ``out = out`` (the *joint* output): the kernel recomputes
+    ``P_s = exp(S - lse_s)`` and forms ``P_s (alpha dO . v - rowsum(alpha dO * out)) = alpha P_s (dP - D)``,
+    which is exactly the joint ``dS`` on the sequence keys since ``P = alpha P_s``; its dV is
+    ``P_s^T alpha dO = P^T dO``. The depth part is a few small batched products. Saved: the inputs,
+    the output, the kernel's log-sum-exp [B, Hq, T], ``alpha`` [B, Hq, T] and ``p`` [B, Hq, T, M].
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale):  # noqa: D102
+        batch, num_q_heads, q_len, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group = num_q_heads // num_kv_heads
+        out_seq, lse_kernel = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse_seq = lse_kernel.to(work)  # (B, Hq, T)
+        if empty_rows is not None:
+            lse_seq = lse_seq.masked_fill(empty_rows, float("-inf"))
+        lse_seq = lse_seq.view(batch, num_kv_heads, group, q_len)
+        q5 = q.view(batch, num_kv_heads, group, q_len, head_dim).to(work)
+        depth_logits = torch.einsum("bhgtd,bhtmd->bhgtm", q5, depth_k.to(work)) * scale  # (B, Hkv, G, T, M)
+        lse = torch.logaddexp(lse_seq, torch.logsumexp(depth_logits, dim=-1))  # (B, Hkv, G, T)
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # no visible entry: zeros, not NaN
+        alpha = torch.exp(lse_seq - lse)  # (B, Hkv, G, T)
+        probs = torch.exp(depth_logits - lse.unsqueeze(-1))  # (B, Hkv, G, T, M)
+        out = alpha.unsqueeze(-1) * out_seq.view(batch, num_kv_heads, group, q_len, head_dim).to(work)
+        out = out + torch.einsum("bhgtm,bhtmd->bhgtd", probs, depth_v.to(work))
+        out = out.reshape(batch, num_q_heads, q_len, head_dim).to(q.dtype)
+        ctx.save_for_backward(q, k, v, depth_k, depth_v, out, lse_kernel, alpha, probs, mask)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # noqa: D102
+        q, k, v, depth_k, depth_v, out, lse_kernel, alpha, probs, mask = ctx.saved_tensors
+        batch, num_q_heads, q_len, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group = num_q_heads // num_kv_heads
+        work = alpha.dtype
+        shape5 = (batch, num_kv_heads, group, q_len, head_dim)
+        grad5 = grad_out.to(work).reshape(shape5)  # (B, Hkv, G, T, d)
+        delta = (grad5 * out.to(work).view(shape5)).sum(dim=-1)  # D = rowsum(dO * out), (B, Hkv, G, T)
+        grad_seq = (alpha.unsqueeze(-1) * grad5).view(batch, num_q_heads, q_len, head_dim).to(q.dtype)
+        grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(
+            grad_seq, q, k, v, out, lse_kernel, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale
+        )
+        grad_depth_k = grad_depth_v = None
+        if probs.shape[-1] > 0:
+            depth_v_w = depth_v.to(work)
+            grad_probs = torch.einsum("bhgtd,bhtmd->bhgtm", grad5, depth_v_w)  # (B, Hkv, G, T, M)
+            # dS = P (dP - D), times the logit scale here on the small [.., M] tensor, not on [.., M, d].
+            grad_logits = probs * (grad_probs - delta.unsqueeze(-1)) * ctx.scale
+            if ctx.needs_input_grad[0]:
+                grad_q_depth = torch.einsum("bhgtm,bhtmd->bhgtd", grad_logits, depth_k.to(work))
+                grad_q = (grad_q.to(work).reshape(shape5) + grad_q_depth).reshape(q.shape).to(q.dtype)
+            if ctx.needs_input_grad[3]:
+                q5 = q.view(shape5).to(work)
+                grad_depth_k = torch.einsum("bhgtm,bhgtd->bhtmd", grad_logits, q5).to(depth_k.dtype)
+            if ctx.needs_input_grad[4]:
+                grad_depth_v = torch.einsum("bhgtm,bhgtd->bhtmd", probs, grad5).to(depth_v.dtype)
+        else:
+            grad_depth_k, grad_depth_v = torch.zeros_like(depth_k), torch.zeros_like(depth_v)
+        return grad_q, grad_k, grad_v, grad_depth_k, grad_depth_v, None, None, None, None
+
+
+def moda_torch_flash_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """MoDA on CPU through SDPA's fused flash kernel for the sequence pool (no [T, S] matrix kept).
+
+    Exact: the sequence pool's output and log-sum-exp are merged with the depth pool in one softmax
+    (see ``_MoDAFlashCPU``). Differentiable once in q, k, v, depth_k, depth_v (not in the mask).
+
+    Args:
+        q: [B, Hq, T, d] on CPU; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
+        attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S].
+    Returns:
+        [B, Hq, T, d] in q's dtype.
+    """
+    mask, is_causal, empty_rows = _sequence_mask(attention_mask, causal, q.shape[2], k.shape[2], q.dtype)
+    return _MoDAFlashCPU.apply(q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale)
+
+
+def _dispatch_mode_active() -> bool:
+    """True under a Python dispatch mode (``FlopCounterMode``, fake tensors, ...)."""
+    try:
+        return torch._C._len_torch_dispatch_stack() > 0
+    except AttributeError:  # pragma: no cover - older torch
+        return False
+
+
+def _flash_cpu_applies(q: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """The fused CPU path serves CPU tensors of the kernel's dtypes, with a mask that needs no gradient.
+
+    Under a Python dispatch mode the materialised path runs instead: tools such as ``FlopCounterMode``
+    have no formula for the CPU flash op and would miss the attention FLOPs.
+    """
+    return (
+        _FLASH_CPU is not None
+        and _FLASH_CPU_BACKWARD is not None
+        and q.device.type == "cpu"
+        and q.dtype in _FLASH_CPU_DTYPES
+        and q.shape[2] > 0
+        and (attention_mask is None or not attention_mask.requires_grad)
+        and not _dispatch_mode_active()
+    )
+
+
+def moda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """The PyTorch backend: :func:`moda_torch_flash_cpu` on CPU, else :func:`moda_torch_math`.
+
+    Args:
+        q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
+    Returns:
+        [B, Hq, T, d] in q's dtype.
+    """
+    if _flash_cpu_applies(q, attention_mask):
+        return moda_torch_flash_cpu(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
+    return moda_torch_math(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
 
 
 def moda_attention(
@@ -294,4 +496,12 @@ def moda_attention(
     return moda_torch(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
 
 
-__all__ = ["moda_attention", "moda_joint_probs", "moda_reference", "moda_torch", "resolve_backend"]
+__all__ = [
+    "moda_attention",
+    "moda_joint_probs",
+    "moda_reference",
+    "moda_torch",
+    "moda_torch_flash_cpu",
+    "moda_torch_math",
+    "resolve_backend",
+]
