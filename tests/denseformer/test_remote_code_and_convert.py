@@ -39,7 +39,7 @@ def test_remote_code_loads_in_fresh_process(tmp_path):
         hf_home=str(tmp_path / "hf_home"),
     )
     diff = float(out.split("DIFF")[1].split()[0])
-    assert diff == 0.0
+    assert diff <= 1e-6  # memory-mapped (possibly misaligned) weights may change float rounding
     assert "DenseFormerModel" in out
 
 

@@ -43,7 +43,7 @@ def test_remote_code_loads_in_fresh_process(tmp_path):
         cwd=str(elsewhere),
         hf_home=str(tmp_path / "hf_home"),
     )
-    assert float(out.split("DIFF")[1].split()[0]) == 0.0
+    assert float(out.split("DIFF")[1].split()[0]) <= 1e-6  # memory-mapped weights may round differently
     assert "SAME_GENERATION True" in out
 
 

@@ -75,3 +75,19 @@ def test_bad_arguments_are_rejected(tmp_path):
         train_clm.main(["--config", str(REPO / "configs" / "clm_tiny.json"), "--dwa_dilation", "9",
                         "--max_train_blocks", "8", "--max_eval_blocks", "2", "--vocab_size", "300",
                         "--output_dir", str(tmp_path)])
+
+
+def test_trainer_does_not_decay_dwa_weights(tmp_path):
+    from transformers import TrainingArguments
+
+    from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM
+    from depthfusion_hf.recipes.clm import DepthFusionTrainer
+
+    model = DenseFormerForCausalLM(DenseFormerConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                                     num_hidden_layers=2, num_attention_heads=2))
+    trainer = DepthFusionTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                                                    use_cpu=True))
+    decayed = set(trainer.get_decay_parameter_names(model))
+    assert "model.dwa.alphas" not in decayed
+    assert "model.layers.0.mlp.up_proj.weight" in decayed and "model.embed_tokens.weight" in decayed
+    assert not any("norm" in n for n in decayed)

@@ -97,6 +97,19 @@ def baseline_arch(model: PreTrainedModel) -> dict:
     return {k: v for k, v in fields.items() if k in LlamaConfig.__dataclass_fields__}
 
 
+class DepthFusionTrainer(Trainer):
+    """``Trainer`` that applies weight decay to matrices only (nanoGPT's rule, used by the DenseFormer paper).
+
+    The stock rule decays every parameter except biases and norms, which would pull the DWA weights
+    (identity-initialised, ``alpha[i, i] = 1``) towards 0. Here no 1-D parameter is decayed.
+    """
+
+    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """Names of the parameters that get weight decay: those of the stock rule with 2 or more dims."""
+        names = set(super().get_decay_parameter_names(model))
+        return [n for n, p in model.named_parameters() if n in names and p.dim() >= 2]
+
+
 @dataclass
 class TrainSettings:
     """Optimisation settings (defaults follow the DenseFormer paper: AdamW 0.9/0.95, wd 0.1, cosine, 5% warm-up)."""
@@ -201,7 +214,7 @@ def train_one(
 ) -> RunResult:
     """Train ``model`` with the ``Trainer``, evaluate it, and save a remote-code folder to ``output_dir/final``."""
     args = training_arguments(output_dir, settings)
-    trainer = Trainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    trainer = DepthFusionTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
     start = time.perf_counter()
     train_output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     seconds = train_output.metrics.get("train_runtime", time.perf_counter() - start)
@@ -267,6 +280,7 @@ def results_table(results: list[RunResult]) -> str:
 
 
 __all__ = [
+    "DepthFusionTrainer",
     "MODEL_KINDS",
     "RunResult",
     "TrainSettings",
