@@ -203,3 +203,16 @@ def test_loss_trains_dwa_weights():
 def test_invalid_config(field, value, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(**{field: value})
+
+
+def test_model_follows_the_backend_environment_variable(monkeypatch):
+    model = DenseFormerForCausalLM(tiny_config(dwa_dilation=2)).eval()
+    randomise_dwa(model)
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        fast = model(ids).logits
+        monkeypatch.setenv("DEPTHFUSION_BACKEND", "reference")
+        torch.testing.assert_close(model(ids).logits, fast, rtol=1e-5, atol=1e-5)
+        monkeypatch.setenv("DEPTHFUSION_BACKEND", "gpu-please")
+        with pytest.raises(ValueError, match="backend must be one of"):
+            model(ids)

@@ -216,10 +216,22 @@ def depth_weighted_average(
     """
     sources = _as_list(states)
     _check_inputs(sources, weights)
-    choice = resolve_backend(backend, sources[0].device)
-    if choice == "reference":
+    return dwa_with_backend(sources, weights, resolve_backend(backend, sources[0].device))
+
+
+def dwa_with_backend(sources: Sequence[torch.Tensor], weights: torch.Tensor, backend: str) -> torch.Tensor:
+    """Run an already resolved backend on already validated inputs (the model's per-step fast path).
+
+    Args:
+        sources: N tensors of the same shape S, dtype and device.
+        weights: [N].
+        backend: ``"reference"``, ``"torch"`` or ``"triton"`` (from :func:`resolve_backend`).
+    Returns:
+        [*S], in the sources' dtype.
+    """
+    if backend == "reference":
         return dwa_reference(sources, weights)
-    if choice == "triton":
+    if backend == "triton":
         return triton_depth_weighted_average(sources, weights)
     return dwa_torch(sources, weights)
 

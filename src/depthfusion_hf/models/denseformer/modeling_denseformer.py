@@ -36,7 +36,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_denseformer import DenseFormerConfig
-from .dwa import depth_weighted_average
+from .dwa import depth_weighted_average, dwa_with_backend, resolve_backend
 
 
 def dwa_sources(step: int, dilation: int) -> list[int]:
@@ -68,16 +68,21 @@ class DenseFormerDWA(nn.Module):
         # Block outputs that some later DWA step reads; the others need not be kept.
         self.needed = sorted({j for i in self.steps for j in self.sources[i]})
 
-    def forward(self, sources: list[torch.Tensor], step: int) -> torch.Tensor:
+    def forward(self, sources: list[torch.Tensor], step: int, backend: str | None = None) -> torch.Tensor:
         """The DWA step after block ``step``: ``sum_j alpha[step, j] X_j`` over ``sources``.
 
         Args:
             sources: the block outputs ``X_j`` for ``j`` in ``S(step)``, in that order, each [B, T, D].
             step: the block index ``i`` (``p | i``).
+            backend: a backend already resolved by :func:`resolve_backend` (the model resolves it once
+                per forward and skips the op's input checks, which cost as much as the op when decoding);
+                None validates and resolves like the public op.
         Returns:
             ``Y_step``: [B, T, D].
         """
-        return depth_weighted_average(sources, self.step_weights(step))
+        if backend is None:
+            return depth_weighted_average(sources, self.step_weights(step))
+        return dwa_with_backend(sources, self.step_weights(step), backend)
 
     def identity_alphas(self, total: int | None = None) -> torch.Tensor:
         """The initial weights: ``alpha[i, i] = 1`` and 0 elsewhere (the DenseFormer is a plain transformer)."""
@@ -237,7 +242,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                 # offloaded) DWA weights.
                 device = hidden_states.device
                 sources = [block_outputs[j].to(device) for j in self.dwa.sources[i]]
-                hidden_states = self.dwa(sources, i)
+                hidden_states = self.dwa(sources, i, backend=resolve_backend(None, device))
 
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
