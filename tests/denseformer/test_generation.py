@@ -2,9 +2,14 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache
 
 from depthfusion_hf import DenseFormerForCausalLM
+from tests.causal_lm_checks import (
+    GENERATION_MODES,
+    assert_cached_generation_equals_uncached,
+    assert_left_padding_matches_single_sequences,
+)
 
 from .helpers import randomise_dwa, tiny_config
 
@@ -38,36 +43,10 @@ def test_past_key_values_alias_uses_the_cache(model):
         torch.testing.assert_close(step[:, -1], model(ids).logits[:, -1], rtol=1e-5, atol=1e-5)
 
 
-def _generate(model, ids, mask=None, use_cache=True, **kwargs):
-    config = GenerationConfig(max_new_tokens=6, pad_token_id=0, eos_token_id=None, use_cache=use_cache, **kwargs)
-    return model.generate(ids, attention_mask=mask, generation_config=config, output_scores=True,
-                          return_dict_in_generate=True)
-
-
-@pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
+@pytest.mark.parametrize("mode", sorted(GENERATION_MODES))
 def test_generate_cached_equals_uncached(model, mode):
-    ids = torch.randint(3, 97, (2, 5))
-    kwargs = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, top_k=20),
-              "beam": dict(num_beams=3, do_sample=False)}[mode]
-    outs = []
-    for use_cache in (True, False):
-        torch.manual_seed(123)
-        outs.append(_generate(model, ids, use_cache=use_cache, **kwargs))
-    assert torch.equal(outs[0].sequences, outs[1].sequences)
-    if mode != "beam":
-        for a, b in zip(outs[0].scores, outs[1].scores):
-            finite = torch.isfinite(a)
-            torch.testing.assert_close(a[finite], b[finite], rtol=1e-4, atol=1e-4)
+    assert_cached_generation_equals_uncached(model, mode)
 
 
 def test_left_padded_batch_matches_single_sequences(model):
-    short = torch.randint(3, 97, (1, 4))
-    long = torch.randint(3, 97, (1, 7))
-    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
-    mask = torch.ones_like(batch)
-    mask[0, :3] = 0
-    batched = _generate(model, batch, mask, do_sample=False).sequences
-    alone_short = _generate(model, short, do_sample=False).sequences
-    alone_long = _generate(model, long, do_sample=False).sequences
-    assert torch.equal(batched[0, 3:], alone_short[0])
-    assert torch.equal(batched[1], alone_long[0])
+    assert_left_padding_matches_single_sequences(model)
