@@ -224,6 +224,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         # Differs from Llama: keep the block outputs X_j that later DWA steps read (X_0 = embeddings).
         needed = self.dwa.needed
         block_outputs: dict[int, torch.Tensor] = {0: hidden_states} if 0 in needed else {}
+        backends: dict[torch.device, str] = {}  # resolved once per device and forward, not per DWA step
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers], start=1):
             hidden_states = decoder_layer(
                 hidden_states,
@@ -242,7 +243,9 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                 # offloaded) DWA weights.
                 device = hidden_states.device
                 sources = [block_outputs[j].to(device) for j in self.dwa.sources[i]]
-                hidden_states = self.dwa(sources, i, backend=resolve_backend(None, device))
+                if device not in backends:
+                    backends[device] = resolve_backend(None, device)
+                hidden_states = self.dwa(sources, i, backend=backends[device])
 
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
