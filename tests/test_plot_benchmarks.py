@@ -4,10 +4,6 @@ import importlib.util
 import shutil
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("matplotlib")
-
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "docs" / "bench"
 KINDS = ("dwa", "models", "moda_attention")
