@@ -29,25 +29,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_common import DTYPES, REPO, clock, git_commit, machine_name, peak_memory_bytes, sync
 
 from depthfusion_hf.models.denseformer.dwa import (
     DepthWeightedAverageRun,
     depth_weighted_average,
     dwa_triton_forward_backward_available,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,70 +176,6 @@ def make_runner(impl: str, depth: int, dilation: int, period: int, x0: torch.Ten
     params = [scales] + [ours.alphas[ours.offsets[i] : ours.offsets[i] + len(ours.sources[i])] for i in ours.steps]
     run.alphas = ours.alphas  # type: ignore[attr-defined]
     return run, params
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def clock(device: torch.device) -> Callable[[], float]:
-    """The timer: process CPU time on CPU (steady when other jobs share the cores), wall time on CUDA."""
-    return time.process_time if device.type == "cpu" else time.perf_counter
-
-
-def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
-    """Peak bytes allocated during ``fn()`` above what was allocated before it.
-
-    CUDA: ``torch.cuda.max_memory_allocated``. CPU: the profiler's allocation trace (running total
-    of every allocation and free, read from a Chrome trace).
-    """
-    if device.type == "cuda":
-        sync(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        sync(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
-                 key=lambda e: e["ts"])
-    current = peak = 0
-    for e in mem:
-        current += e["args"]["Bytes"]
-        peak = max(peak, current)
-    return peak
-
-
-def machine_name(device: torch.device) -> str:
-    """e.g. ``"NVIDIA H100 80GB HBM3"`` or ``"AMD EPYC (2 threads)"``, plus the host name."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-        name = f"{name} ({torch.get_num_threads()} threads)"
-    return f"{name} @ {platform.node()}"
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def check_same_results(runners: dict[str, tuple[Callable, list[torch.Tensor]]], depth: int) -> None:

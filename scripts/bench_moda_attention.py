@@ -26,27 +26,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_common import DTYPES, REPO, git_commit, machine_name, peak_memory_bytes
 
 from depthfusion_hf.models.moda.moda_attention import moda_attention, moda_triton_available
-
-REPO = Path(__file__).resolve().parents[1]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
@@ -67,57 +56,6 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
-    """Peak bytes allocated while ``fn()`` runs, above what was allocated before it.
-
-    CUDA: ``max_memory_allocated``. CPU: the running total of the profiler's allocation / free
-    records, in time order.
-    """
-    if device.type == "cuda":
-        sync(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        sync(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(trace)
-        with open(trace) as f:
-            events = json.load(f)["traceEvents"]
-    records = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
-                     key=lambda e: e["ts"])
-    live = peak = 0
-    for e in records:
-        live += e["args"]["Bytes"]
-        peak = max(peak, live)
-    return peak
-
-
-def machine_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} @ {platform.node()}"
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name} ({torch.get_num_threads()} threads) @ {platform.node()}"
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def make_inputs(B: int, Hq: int, Hkv: int, T: int, M: int, d: int, device: torch.device, dtype: torch.dtype):
@@ -232,7 +170,7 @@ def main() -> None:
                         continue
                     call = make_call(impl, inputs, backward=mode == "fwd+bwd")
                     row_ms[impl] = median_ms(call, device, warmup, reps)
-                    row_mib[impl] = peak_bytes(call, device) / 2**20
+                    row_mib[impl] = peak_memory_bytes(call, device) / 2**20
                     del call
 
                 def cell(values: dict[str, float], impl: str, fmt: str) -> str:

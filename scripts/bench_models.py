@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dwa import DTYPES, clock, git_commit, machine_name, peak_memory_bytes, sync  # noqa: E402
+from bench_common import DTYPES, clock, git_commit, machine_name, peak_memory_bytes, sync  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import depthfusion_hf  # noqa: E402
