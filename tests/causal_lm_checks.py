@@ -6,13 +6,37 @@ Each test module passes its own tiny model; vocabulary ids 0-2 are pad/bos/eos i
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 GENERATION_MODES = {
     "greedy": dict(do_sample=False),
     "sample": dict(do_sample=True, top_k=20),
     "beam": dict(num_beams=3, do_sample=False),
 }
+
+
+def assert_incremental_logits_equal_full_forward(model, vocab_size: int = 97) -> None:
+    """Prefill 7 tokens, one 2-token step (S > T > 1), then 1-token steps: the logits equal one full forward."""
+    ids = torch.randint(3, vocab_size, (2, 12))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        steps = [model(ids[:, :7], cache=cache, use_cache=True).logits]
+        steps.append(model(ids[:, 7:9], cache=cache, use_cache=True).logits)
+        for t in range(9, 12):
+            steps.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
+    assert cache.get_seq_length() == 12
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def assert_past_key_values_alias_uses_the_cache(model, vocab_size: int = 97) -> None:
+    """The deprecated ``past_key_values`` keyword still feeds the cache to the forward."""
+    ids = torch.randint(3, vocab_size, (1, 6))
+    with torch.no_grad():
+        cache = model(ids[:, :5], use_cache=True).cache
+        assert cache.get_seq_length() == 5
+        step = model(ids[:, 5:], past_key_values=cache).logits
+        torch.testing.assert_close(step[:, -1], model(ids).logits[:, -1], rtol=1e-5, atol=1e-5)
 
 
 def generate(model, ids: torch.Tensor, mask: torch.Tensor | None = None, use_cache: bool = True, **kwargs):

@@ -1,13 +1,13 @@
 """Cached generation equals uncached computation (greedy, sampling, beam search, left padding)."""
 
 import pytest
-import torch
-from transformers import DynamicCache
 
 from tests.causal_lm_checks import (
     GENERATION_MODES,
     assert_cached_generation_equals_uncached,
+    assert_incremental_logits_equal_full_forward,
     assert_left_padding_matches_single_sequences,
+    assert_past_key_values_alias_uses_the_cache,
 )
 
 from .helpers import tiny_model
@@ -19,25 +19,11 @@ def model(request):
 
 
 def test_incremental_logits_equal_full_forward(model):
-    ids = torch.randint(3, 97, (2, 12))
-    with torch.no_grad():
-        full = model(ids).logits
-        cache = DynamicCache(config=model.config)
-        steps = [model(ids[:, :7], cache=cache, use_cache=True).logits]
-        steps.append(model(ids[:, 7:9], cache=cache, use_cache=True).logits)  # a multi-token step (S > T > 1)
-        for t in range(9, 12):
-            steps.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
-    assert cache.get_seq_length() == 12
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert_incremental_logits_equal_full_forward(model)
 
 
 def test_past_key_values_alias_uses_the_cache(model):
-    ids = torch.randint(3, 97, (1, 6))
-    with torch.no_grad():
-        cache = model(ids[:, :5], use_cache=True).cache
-        assert cache.get_seq_length() == 5
-        step = model(ids[:, 5:], past_key_values=cache).logits
-        torch.testing.assert_close(step[:, -1], model(ids).logits[:, -1], rtol=1e-5, atol=1e-5)
+    assert_past_key_values_alias_uses_the_cache(model)
 
 
 @pytest.mark.parametrize("mode", sorted(GENERATION_MODES))
