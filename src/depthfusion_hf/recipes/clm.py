@@ -219,7 +219,9 @@ def train_one(
     train_output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     seconds = train_output.metrics.get("train_runtime", time.perf_counter() - start)
     metrics = trainer.evaluate()
-    tokens = settings.max_steps * settings.batch_size * settings.gradient_accumulation_steps
+    # Steps this call ran (fewer than max_steps after a resume; the Trainer records where it started).
+    steps_run = trainer.state.global_step - getattr(trainer, "_initial_global_step", 0)
+    tokens = steps_run * settings.batch_size * settings.gradient_accumulation_steps
     tokens *= len(train_dataset[0]["input_ids"]) * max(1, args.world_size)
     to_save = unsharded_model(trainer, model)
     if trainer.is_world_process_zero():
