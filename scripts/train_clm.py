@@ -181,7 +181,19 @@ def main(argv: list[str] | None = None) -> dict:
     if main_process:
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
         (out / "results.md").write_text(table + "\n")
+    finish_distributed()
     return results
+
+
+def finish_distributed() -> None:
+    """Under torchrun / accelerate: wait for every rank, then tear the process group down.
+
+    Without this a rank that finishes first (rank 0 is still saving) exits with gloo's threads alive,
+    which aborts it ("terminate called without an active exception").
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
