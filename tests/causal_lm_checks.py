@@ -8,6 +8,19 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, GenerationConfig
 
+# The shared tiny decoder shape (GQA 4 query / 2 KV heads); ids 0-2 are pad/bos/eos, the checks draw from 3-96.
+TINY_DECODER = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 GENERATION_MODES = {
     "greedy": dict(do_sample=False),
     "sample": dict(do_sample=True, top_k=20),

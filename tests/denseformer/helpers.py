@@ -6,19 +6,9 @@ import torch
 from transformers import LlamaConfig
 
 from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM
+from tests.causal_lm_checks import TINY_DECODER
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=48,
-    intermediate_size=96,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+TINY = {**TINY_DECODER, "num_hidden_layers": 6}
 
 
 def tiny_config(**overrides) -> DenseFormerConfig:
