@@ -61,11 +61,19 @@ class DenseFormerConfig(LlamaConfig):
     dwa_period: int = 1
 
     def __post_init__(self, **kwargs):
+        self.check_fields()
+        super().__post_init__(**kwargs)
+
+    def check_fields(self) -> None:
+        """Validate every field; raise a ValueError naming the field and its allowed values.
+
+        Runs at construction and again when a model is built from this config, so that a field
+        changed after construction (e.g. ``config.dwa_dilation = 0``) gets the same error.
+        """
         check_llama_shapes(self)
         layers = self.num_hidden_layers
         check_positive_int("dwa_dilation", self.dwa_dilation, layers, "at most num_hidden_layers")
         check_positive_int("dwa_period", self.dwa_period, layers, "at most num_hidden_layers")
-        super().__post_init__(**kwargs)
 
 
 __all__ = ["DenseFormerConfig"]

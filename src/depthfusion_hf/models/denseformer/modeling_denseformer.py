@@ -39,6 +39,36 @@ from .configuration_denseformer import DenseFormerConfig
 from .dwa import depth_weighted_average, dwa_with_backend, resolve_backend
 
 
+def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
+    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
+
+    Args:
+        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
+        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+    Raises:
+        ValueError: unless exactly one of the two is given, it has the shape above with at least one
+            token, and (for ids) an integer dtype and every id in range.
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
+    if tensor.dim() != rank:
+        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
+        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
+    if tensor.numel() == 0:
+        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
+    if input_ids is None:
+        return
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
+    if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):  # one device sync, min/max only on error
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
+            f"max {int(input_ids.max())}"
+        )
+
+
 def dwa_sources(step: int, dilation: int) -> list[int]:
     """S(i): the block indices a DWA step after block ``step`` reads, ``j <= i, j ≡ i (mod k)``."""
     return list(range(step % dilation, step + 1, dilation))
@@ -138,6 +168,10 @@ class DenseFormerPreTrainedModel(PreTrainedModel):
         "attentions": LlamaAttention,
     }
 
+    def __init__(self, config: DenseFormerConfig, *inputs, **kwargs):
+        config.check_fields()  # a field changed after construction gets the construction error
+        super().__init__(config, *inputs, **kwargs)
+
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if isinstance(module, DenseFormerDWA):
@@ -200,8 +234,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
             cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
             use_cache: build a ``DynamicCache`` when none is given.
         """
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_token_inputs(input_ids, inputs_embeds, self.config.vocab_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
         if use_cache and cache is None:
@@ -327,4 +360,10 @@ class DenseFormerForCausalLM(DenseFormerPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["DenseFormerForCausalLM", "DenseFormerModel", "DenseFormerPreTrainedModel", "DenseFormerDWA"]
+__all__ = [
+    "DenseFormerForCausalLM",
+    "DenseFormerModel",
+    "DenseFormerPreTrainedModel",
+    "DenseFormerDWA",
+    "check_token_inputs",
+]
