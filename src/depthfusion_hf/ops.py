@@ -4,7 +4,8 @@ The implementations live in the model folders (so that exported remote code carr
 this module only re-exports them.
 """
 
+from .models.attnres.attnres import attention_residual
 from .models.denseformer.dwa import depth_weighted_average
 from .models.moda.moda_attention import moda_attention
 
-__all__ = ["depth_weighted_average", "moda_attention"]
+__all__ = ["attention_residual", "depth_weighted_average", "moda_attention"]

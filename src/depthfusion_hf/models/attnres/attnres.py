@@ -1,0 +1,393 @@
+"""Attention Residuals (AttnRes), the op behind the AttnRes family (arXiv 2603.15031, PAPERS.md section 4).
+
+Per token, over N sources ``v_i`` (earlier sub-layer or block outputs, each [B, T, D]):
+
+    k_i     = RMSNorm_g(v_i) = g * v_i / sqrt(mean(v_i ** 2) + eps)
+    alpha_i = softmax_i(w . k_i)            (fp32; no logit scale)
+    h       = sum_i alpha_i * v_i           (the raw sources, not the keys)
+
+with ``w`` the call's pseudo-query [D] and ``g`` its RMSNorm weight [D]. Since
+``w . (g * v / rms(v)) = (w * g) . v / rms(v)``, one read of a source gives both its logit and its norm.
+
+Three implementations behind :func:`attention_residual`, one signature:
+
+- ``"reference"``: the loop over sources, in float32 (float64 stays float64); autograd does the rest.
+- ``"torch"``: a custom autograd Function over the *list* of sources (nothing is stacked; the backward
+  saves references to the inputs and the [B, T, N] weights and inverse norms). Sources of at most
+  ``SMALL_NUMEL`` elements (cached decoding) take a stacked, vectorised autograd path instead: two
+  kernels per step rather than several per source.
+- ``"triton"``: fused forward and backward kernels (``attnres_triton.py``) for CUDA tensors.
+
+The backend is chosen by the ``backend`` argument, else ``$DEPTHFUSION_BACKEND``, else automatically
+(Triton for CUDA tensors when it imports, PyTorch otherwise). Inputs a kernel cannot compute are routed
+by :func:`attention_residual_with_backend` (float64 goes to the PyTorch path). Second-order gradients
+(``create_graph=True``) are computed on every backend: the custom backwards then differentiate the
+reference instead.
+
+This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next
+to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+
+try:  # Triton is optional: the model loads and runs without it.
+    from .attnres_triton import attnres_triton_available, triton_attention_residual
+except Exception:  # pragma: no cover - depends on the environment
+    triton_attention_residual = None
+
+    def attnres_triton_available() -> bool:
+        """Triton could not be imported: the fused kernel is unavailable."""
+        return False
+
+
+BACKENDS = ("reference", "torch", "triton")
+BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
+
+# Per-source element count at or below which the torch backend stacks the sources (decoding steps).
+SMALL_NUMEL = 1 << 14
+
+# Dtypes the Triton kernel computes (in fp32); float64 inputs are routed to the torch backend.
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """Pick the implementation: explicit argument, else ``$DEPTHFUSION_BACKEND``, else automatic.
+
+    Automatic means Triton for CUDA tensors when the kernel imports, PyTorch otherwise.
+
+    Args:
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        device: the device of the op's tensors.
+    Returns:
+        ``"reference"``, ``"torch"`` or ``"triton"``.
+    Raises:
+        ValueError: for an unknown backend, or ``"triton"`` when the kernel is unavailable.
+    """
+    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
+    if not isinstance(choice, str):
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS} or None; got {choice!r}")
+    choice = choice.lower()
+    if choice == "auto":
+        use_triton = device.type == "cuda" and attnres_triton_available()
+        return "triton" if use_triton else "torch"
+    if choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
+    if choice == "triton" and not attnres_triton_available():
+        raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
+    return choice
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
+    return f"{type(x).__name__}"
+
+
+def _check_vector(name: str, x: object, dim: int, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape [D={dim}]; got {_describe(x)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must have a floating dtype (float16, bfloat16, float32, float64); got {x.dtype}")
+    if x.dim() != 1 or x.shape[0] != dim:
+        raise ValueError(f"{name} must have shape [D={dim}] (D = the sources' last dim); got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on the sources' device {device}; got {x.device}")
+
+
+def _as_source_list(sources: object) -> list[torch.Tensor]:
+    if isinstance(sources, torch.Tensor):
+        if sources.dim() != 4:
+            raise ValueError(
+                f"sources must be a sequence of N >= 1 tensors [B, T, D] or one tensor [N, B, T, D]; "
+                f"got a tensor of shape {tuple(sources.shape)}"
+            )
+        return list(sources.unbind(0))
+    if not isinstance(sources, Sequence) or isinstance(sources, (str, bytes)):
+        raise ValueError(
+            f"sources must be a sequence (list or tuple) of N >= 1 tensors [B, T, D]; got {_describe(sources)}"
+        )
+    return list(sources)
+
+
+def check_attnres_inputs(
+    query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: torch.Tensor, eps: float, return_weights: bool
+) -> None:
+    """Validate the op's inputs; raise ValueError naming the argument and the allowed values.
+
+    Args:
+        query: [D] floating. sources: N >= 1 tensors [B, T, D] of one shape, floating dtype and device.
+        key_norm_weight: [D] floating. eps: positive finite float. return_weights: bool.
+    """
+    if len(sources) == 0:
+        raise ValueError("sources must hold at least one tensor (N >= 1)")
+    first = sources[0]
+    for i, v in enumerate(sources):
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"sources[{i}] must be a torch.Tensor of shape [B, T, D]; got {_describe(v)}")
+        if not v.is_floating_point():
+            raise ValueError(
+                f"sources must have a floating dtype (float16, bfloat16, float32, float64); sources[{i}] is {v.dtype}"
+            )
+        if v.dim() != 3:
+            raise ValueError(f"sources must have shape [B, T, D]; sources[{i}] has shape {tuple(v.shape)}")
+        if v.shape != first.shape or v.dtype != first.dtype or v.device != first.device:
+            raise ValueError(
+                f"all sources must share shape, dtype and device; sources[0] is {_describe(first)}, "
+                f"sources[{i}] is {_describe(v)}"
+            )
+    if first.shape[-1] == 0:
+        raise ValueError(f"sources must have a hidden size D >= 1; got shape {tuple(first.shape)}")
+    _check_vector("query", query, first.shape[-1], first.device)
+    _check_vector("key_norm_weight", key_norm_weight, first.shape[-1], first.device)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a positive finite float; got {eps!r}")
+    if not isinstance(return_weights, bool):
+        raise ValueError(f"return_weights must be a bool; got {return_weights!r}")
+
+
+def compute_dtype(sources_dtype: torch.dtype, query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.dtype:
+    """The dtype the logits, softmax and sums run in: float32, or float64 when any input is float64."""
+    dtype = torch.promote_types(torch.promote_types(sources_dtype, query.dtype), key_norm_weight.dtype)
+    return torch.promote_types(dtype, torch.float32)
+
+
+def attnres_reference(
+    query: torch.Tensor, sources: Sequence[torch.Tensor], key_norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The obvious loop over sources (see the module docstring); autograd differentiates it.
+
+    Args:
+        query: [D]. sources: N tensors [B, T, D]. key_norm_weight: [D]. eps: RMSNorm epsilon.
+    Returns:
+        ``(h, alpha)``: h [B, T, D] in the sources' dtype, alpha [B, T, N] in the compute dtype
+        (float32, float64 for float64 inputs).
+    """
+    cd = compute_dtype(sources[0].dtype, query, key_norm_weight)
+    w, g = query.to(cd), key_norm_weight.to(cd)
+    logits = []
+    for v in sources:
+        x = v.to(cd)
+        k = g * x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+        logits.append((k * w).sum(dim=-1))
+    alpha = torch.softmax(torch.stack(logits, dim=-1), dim=-1)
+    h = alpha[..., 0:1] * sources[0].to(cd)
+    for i in range(1, len(sources)):
+        h = h + alpha[..., i : i + 1] * sources[i].to(cd)
+    return h.to(sources[0].dtype), alpha
+
+
+def _reference_grads(ctx, query, key_norm_weight, sources, eps, grad_h, grad_alpha):
+    """Double-backward path of the custom Functions: differentiate the reference with ``create_graph``."""
+    inputs = [query, key_norm_weight, *sources]
+    wanted = [x for x, need in zip(inputs, ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:]) if need]
+    h, alpha = attnres_reference(query, sources, key_norm_weight, eps)
+    outs, grads_out = [h], [grad_h if grad_h is not None else torch.zeros_like(h)]
+    if grad_alpha is not None:
+        outs.append(alpha)
+        grads_out.append(grad_alpha.to(alpha.dtype))
+    found = iter(torch.autograd.grad(outs, wanted, grads_out, create_graph=True, allow_unused=True))
+    result = [next(found) if need else None for need in ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:]]
+    return result
+
+
+def _vecdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)`` for [..., D] tensors of one dtype, as a batched matrix product (no [.., D] temporary)."""
+    return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+
+
+class _AttentionResidual(torch.autograd.Function):
+    """The torch backend over a list of sources (inputs: query, key_norm_weight, eps, *sources).
+
+    Forward: per source one matrix-vector product (the logit numerator ``(w * g) . v``) and one norm,
+    an fp32 softmax over the [B, T, N] logits, then ``h = sum_i alpha_i v_i`` accumulated into one
+    buffer. Saved: references to the inputs, alpha [B, T, N] and the inverse norms r [B, T, N].
+
+    Backward (per token, ``s_i = r_i (u . v_i)``, ``u = w * g``, ``delta = sum_j alpha_j dalpha_j``):
+    ``dalpha_i = dh . v_i (+ d alpha_i)``, ``ds_i = alpha_i (dalpha_i - delta)``,
+    ``dv_i = alpha_i dh + ds_i r_i u - ds_i s_i r_i^2 v_i / D``, ``du = sum_tokens sum_i ds_i r_i v_i``,
+    ``dw = du * g``, ``dg = du * w``.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key_norm_weight, eps, *sources):  # noqa: D102
+        dtype = sources[0].dtype
+        cd = compute_dtype(dtype, query, key_norm_weight)
+        u = query.detach().to(cd) * key_norm_weight.detach().to(cd)
+        dim = sources[0].shape[-1]
+        logits, inv_rms = [], []
+        for v in sources:
+            x = v.detach().to(cd)
+            r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square_().div_(dim).add_(eps))
+            logits.append(torch.matmul(x, u).mul_(r))
+            inv_rms.append(r)
+        alpha = torch.softmax(torch.stack(logits, dim=-1), dim=-1)
+        h = torch.mul(sources[0].detach().to(cd), alpha[..., 0:1])
+        for i in range(1, len(sources)):
+            h.addcmul_(sources[i].detach(), alpha[..., i : i + 1])
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(query, key_norm_weight, alpha, torch.stack(inv_rms, dim=-1), *sources)
+        return h.to(dtype), alpha
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_alpha):  # noqa: D102
+        query, key_norm_weight, alpha, inv_rms, *sources = ctx.saved_tensors
+        n_src = len(sources)
+        if grad_h is None and grad_alpha is None:
+            return (None, None, None, *([None] * n_src))
+        if torch.is_grad_enabled():
+            d_q, d_g, *d_src = _reference_grads(ctx, query, key_norm_weight, sources, ctx.eps, grad_h, grad_alpha)
+            return (d_q, d_g, None, *d_src)
+        cd = alpha.dtype
+        dim = sources[0].shape[-1]
+        w, g = query.to(cd), key_norm_weight.to(cd)
+        u = w * g
+        dh = grad_h.to(cd) if grad_h is not None else None
+        d_alpha = torch.zeros_like(alpha) if grad_alpha is None else grad_alpha.to(cd).clone()
+        if dh is not None:
+            for i, v in enumerate(sources):
+                d_alpha[..., i] += _vecdot(dh, v.to(cd))
+        delta = (alpha * d_alpha).sum(dim=-1, keepdim=True)
+        ds = alpha * (d_alpha - delta)  # [B, T, N]: gradient of the logits
+        coef_u = ds * inv_rms  # ds_i r_i
+        need_u = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        du = torch.zeros(dim, dtype=cd, device=alpha.device) if need_u else None
+        grad_sources: list[torch.Tensor | None] = []
+        for i, v in enumerate(sources):
+            need_v = ctx.needs_input_grad[3 + i]
+            if not (need_v or need_u):
+                grad_sources.append(None)
+                continue
+            x = v.to(cd)
+            c_u = coef_u[..., i]
+            if need_u:
+                du += torch.matmul(c_u.reshape(1, -1), x.reshape(-1, dim)).squeeze(0)
+            if not need_v:
+                grad_sources.append(None)
+                continue
+            logit = _vecdot(x, u.expand_as(x)) * inv_rms[..., i]
+            c_v = -(c_u * logit * inv_rms[..., i]) / dim  # -ds_i s_i r_i^2 / D
+            dv = torch.mul(c_u.unsqueeze(-1), u)
+            dv.addcmul_(x, c_v.unsqueeze(-1))
+            if dh is not None:
+                dv.addcmul_(dh, alpha[..., i : i + 1])
+            grad_sources.append(dv.to(v.dtype))
+        d_q = (du * g).to(query.dtype) if ctx.needs_input_grad[0] else None
+        d_g = (du * w).to(key_norm_weight.dtype) if ctx.needs_input_grad[1] else None
+        return (d_q, d_g, None, *grad_sources)
+
+
+def _attnres_small(
+    query: torch.Tensor, sources: Sequence[torch.Tensor], key_norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Few elements per source: stack them ([B, T, N, D], a negligible copy) and vectorise; plain autograd."""
+    dtype = sources[0].dtype
+    cd = compute_dtype(dtype, query, key_norm_weight)
+    x = torch.stack(tuple(sources), dim=-2).to(cd)  # [B, T, N, D]
+    u = query.to(cd) * key_norm_weight.to(cd)
+    r = torch.rsqrt(x.pow(2).mean(dim=-1) + eps)  # [B, T, N]
+    alpha = torch.softmax(torch.matmul(x, u) * r, dim=-1)
+    h = torch.matmul(alpha.unsqueeze(-2), x).squeeze(-2)
+    return h.to(dtype), alpha
+
+
+def attnres_torch(
+    query: torch.Tensor, sources: Sequence[torch.Tensor], key_norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The efficient PyTorch backend (:class:`_AttentionResidual`, or the stacked path for small sources).
+
+    Args:
+        query: [D]. sources: N tensors [B, T, D]. key_norm_weight: [D]. eps: RMSNorm epsilon.
+    Returns:
+        ``(h, alpha)`` as :func:`attnres_reference`.
+    """
+    if sources[0].numel() <= SMALL_NUMEL:
+        return _attnres_small(query, sources, key_norm_weight, eps)
+    return _AttentionResidual.apply(query, key_norm_weight, eps, *sources)
+
+
+def _route(backend: str, sources: Sequence[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor) -> str:
+    """The one place that sends inputs a kernel cannot compute elsewhere: float64 work leaves Triton for torch."""
+    if backend == "triton" and compute_dtype(sources[0].dtype, query, key_norm_weight) not in TRITON_DTYPES:
+        return "torch"
+    return backend
+
+
+def attention_residual_with_backend(
+    query: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    key_norm_weight: torch.Tensor,
+    eps: float,
+    return_weights: bool,
+    backend: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run an already resolved backend on already validated inputs (the model's per-call fast path).
+
+    Args:
+        query: [D]. sources: N >= 1 tensors [B, T, D] (one dtype and device). key_norm_weight: [D].
+        eps: RMSNorm epsilon. return_weights: also return alpha.
+        backend: ``"reference"``, ``"torch"`` or ``"triton"`` (from :func:`resolve_backend`); float64
+            work asked of ``"triton"`` runs on ``"torch"``.
+    Returns:
+        h [B, T, D] in the sources' dtype, or ``(h, alpha)`` with alpha [B, T, N] float32 (float64 for
+        float64 inputs).
+    """
+    backend = _route(backend, sources, query, key_norm_weight)
+    if backend == "reference":
+        h, alpha = attnres_reference(query, sources, key_norm_weight, eps)
+    elif backend == "triton":
+        h, alpha = triton_attention_residual(query, list(sources), key_norm_weight, eps)
+    else:
+        h, alpha = attnres_torch(query, sources, key_norm_weight, eps)
+    return (h, alpha) if return_weights else h
+
+
+def attention_residual(
+    query: torch.Tensor,
+    sources: Sequence[torch.Tensor] | torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention Residuals: per token, a softmax over the sources of ``w . RMSNorm_g(v_i)``, then ``sum alpha_i v_i``.
+
+    Differentiable in ``query``, ``key_norm_weight`` and every source (second order included).
+
+    Args:
+        query: [D], the pseudo-query ``w`` of this call (any floating dtype).
+        sources: a sequence of N >= 1 tensors [B, T, D] (one shape, floating dtype and device; any
+            strides), or one tensor [N, B, T, D].
+        key_norm_weight: [D], the RMSNorm weight ``g`` applied to the keys (any floating dtype).
+        eps: the RMSNorm epsilon (positive).
+        return_weights: also return the softmax weights.
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (then
+            ``$DEPTHFUSION_BACKEND``, default ``"auto"``).
+    Returns:
+        h [B, T, D] in the sources' dtype; with ``return_weights`` also alpha [B, T, N] float32
+        (float64 when an input is float64), rows summing to 1.
+    Raises:
+        ValueError: when a shape, dtype or device does not fit (the message names the argument and the
+            allowed values), ``eps`` is not positive, or the backend is unknown or unavailable.
+    """
+    source_list = _as_source_list(sources)
+    check_attnres_inputs(query, source_list, key_norm_weight, eps, return_weights)
+    choice = resolve_backend(backend, source_list[0].device)
+    return attention_residual_with_backend(query, source_list, key_norm_weight, float(eps), return_weights, choice)
+
+
+__all__ = [
+    "attention_residual",
+    "attention_residual_with_backend",
+    "attnres_reference",
+    "attnres_torch",
+    "check_attnres_inputs",
+    "resolve_backend",
+]
