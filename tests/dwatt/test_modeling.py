@@ -107,11 +107,12 @@ def test_last_is_the_plain_token_classification_baseline():
 def test_concat_reads_every_layer():
     model = tiny_model("concat")
     states = [torch.randn(1, 4, 32) for _ in range(3)]
-    base = model.fusion(states)
+    base, weights = model.fusion(states, None)
+    assert weights is None
     for n in range(3):
         changed = list(states)
         changed[n] = states[n] + 1.0
-        assert not torch.allclose(model.fusion(changed), base), f"z_{n} ignored"
+        assert not torch.allclose(model.fusion(changed, None)[0], base), f"z_{n} ignored"
 
 
 def test_deeper_baseline_ignores_padded_positions():

@@ -1,8 +1,9 @@
 """DWAtt configuration: any Hugging Face encoder (as a sub-config) plus a layer-fusion head.
 
-The parameter-count arithmetic of the fusion heads lives here too (plain integers, no torch), so
-that the config can size the ``concat`` and ``deeper`` baselines to the DWAtt head's budget when it
-is built, and store the chosen widths in ``config.json``.
+The fusion heads are listed in one table, ``FUSION_HEADS`` (``fusion_dwatt.py``): each head validates
+and completes its own fields and counts its parameters, so that the config can size the ``concat`` and
+``deeper`` baselines to the DWAtt head's budget when it is built, and store the chosen widths in
+``config.json``. The parameter arithmetic (plain integers) is in ``sizes_dwatt.py``.
 """
 
 from __future__ import annotations
@@ -10,65 +11,64 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig
 from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-FUSION_METHODS = ("dwatt", "concat", "last", "deeper")
+from .fusion_dwatt import FUSION_HEADS
+from .sizes_dwatt import (  # noqa: F401  (re-exported: the arithmetic's historical home)
+    check_fraction,
+    check_int,
+    concat_head_num_params,
+    deeper_head_num_params,
+    dwatt_head_num_params,
+    solve_concat_hidden_size,
+    solve_deeper_intermediate_size,
+)
+
+FUSION_METHODS = tuple(FUSION_HEADS)  # ("dwatt", "concat", "last", "deeper")
+_BACKBONE_HINT = "pass the encoder's config, e.g. BertConfig(...) or {'model_type': 'bert', ...}"
 
 
-def dwatt_head_num_params(hidden_size: int, num_states: int, bottleneck_size: int, depth_embedding_size: int) -> int:
-    """Parameters of the DWAtt head (``DWAttDepthAttention``) for width D and ``num_states`` = L + 1.
+def check_backbone_dict(backbone: object) -> None:
+    """Reject a ``backbone_config`` that cannot become an encoder config, before transformers builds it.
 
-    ``f(x) = W LN(GELU(U x))`` costs ``2 D b + 3 b + D`` with bottleneck ``b``; the head has one ``f``
-    per state (values) plus one for the query, an output LayerNorm per state (``2 D`` each), the
-    depth embeddings ``(L + 1) x d_pos`` and the key projection ``W_K`` (``d_pos D + D``).
+    Allowed: ``None`` (BERT defaults), a ``PreTrainedConfig`` other than a ``DWAttConfig``, or a dict whose
+    ``model_type`` transformers knows (and is not ``"dwatt"``).
     """
-    mlp = 2 * hidden_size * bottleneck_size + 3 * bottleneck_size + hidden_size
-    values = num_states * (mlp + 2 * hidden_size)
-    keys = num_states * depth_embedding_size + depth_embedding_size * hidden_size + hidden_size
-    return values + mlp + keys
+    if backbone is None:
+        return
+    if isinstance(backbone, dict):
+        model_type = backbone.get("model_type")
+        if model_type is None:
+            raise ValueError("`backbone_config` given as a dict must contain `model_type` (e.g. 'bert')")
+        if model_type == DWAttConfig.model_type:
+            raise ValueError(f"`backbone_config` cannot be a DWAtt config (model_type 'dwatt'); {_BACKBONE_HINT}")
+        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+            raise ValueError(
+                f"`backbone_config` has an unknown model_type {model_type!r}: transformers has no config class "
+                f"for it (known encoders include 'bert', 'roberta', 'xlm-roberta', 'deberta-v2')"
+            )
+        return
+    if isinstance(backbone, DWAttConfig):
+        raise ValueError(f"`backbone_config` cannot be a DWAttConfig (a DWAtt model is not an encoder); "
+                         f"{_BACKBONE_HINT}")
+    if not isinstance(backbone, PreTrainedConfig):
+        raise ValueError(
+            f"`backbone_config` must be None, a dict with `model_type` or a PreTrainedConfig; "
+            f"got {type(backbone).__name__}"
+        )
 
 
-def concat_head_num_params(hidden_size: int, num_states: int, concat_hidden_size: int) -> int:
-    """Parameters of the Concat head: ``W_2 LN(GELU(W_1 [z_0; ...; z_L]))`` with inner width ``m``."""
-    m = concat_hidden_size
-    return num_states * hidden_size * m + m + 2 * m + m * hidden_size + hidden_size
-
-
-def deeper_head_num_params(hidden_size: int, intermediate_size: int, num_layers: int = 1) -> int:
-    """Parameters of ``num_layers`` post-LN transformer layers (attention + FFN of width ``intermediate_size``)."""
-    attention = 4 * hidden_size * hidden_size + 4 * hidden_size
-    ffn = 2 * hidden_size * intermediate_size + intermediate_size + hidden_size
-    norms = 4 * hidden_size
-    return num_layers * (attention + ffn + norms)
-
-
-def solve_concat_hidden_size(hidden_size: int, num_states: int, budget: int) -> int:
-    """The Concat inner width ``m >= 1`` whose head size is closest to ``budget`` parameters."""
-    per_unit = num_states * hidden_size + 3 + hidden_size
-    return max(1, round((budget - hidden_size) / per_unit))
-
-
-def solve_deeper_intermediate_size(hidden_size: int, budget: int, num_layers: int = 1) -> int:
-    """The FFN width ``>= 1`` of the deeper baseline whose size is closest to ``budget`` parameters.
-
-    When even a width-1 FFN exceeds the budget (attention alone is too big) this returns 1; the
-    budget check in ``DWAttConfig`` then reports the mismatch.
-    """
-    fixed = num_layers * (4 * hidden_size * hidden_size + 4 * hidden_size + hidden_size + 4 * hidden_size)
-    per_unit = num_layers * (2 * hidden_size + 1)
-    return max(1, round((budget - fixed) / per_unit))
-
-
-def _check_int(name: str, value, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` must be an integer >= {low}; got {value!r}")
-
-
-def _check_fraction(name: str, value, allow_zero: bool) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (0.0 <= value < 1.0 if allow_zero else 0.0 < value <= 1.0)
-    if not ok:
-        interval = "[0, 1)" if allow_zero else "(0, 1]"
-        raise ValueError(f"`{name}` must be a number in {interval}; got {value!r}")
+def check_backbone_shape(backbone: PreTrainedConfig) -> None:
+    """The built backbone config has integer ``hidden_size`` and ``num_hidden_layers`` >= 1."""
+    for name in ("hidden_size", "num_hidden_layers"):
+        value = getattr(backbone, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            found = "has no" if value is None else f"has an invalid ({value!r})"
+            raise ValueError(
+                f"`backbone_config` ({type(backbone).__name__}, model_type {backbone.model_type!r}) {found} "
+                f"`{name}`; the DWAtt heads need an encoder config with integer `hidden_size` and "
+                f"`num_hidden_layers` >= 1"
+            )
 
 
 @strict
@@ -124,39 +124,34 @@ class DWAttConfig(PreTrainedConfig):
     initializer_range: float | None = None
 
     def __post_init__(self, **kwargs):
-        if isinstance(self.backbone_config, dict) and "model_type" not in self.backbone_config:
-            raise ValueError("`backbone_config` given as a dict must contain `model_type` (e.g. 'bert')")
-        if self.fusion not in FUSION_METHODS:
+        check_backbone_dict(self.backbone_config)
+        super().__post_init__(**kwargs)  # builds self.backbone_config from a dict / None
+        check_backbone_shape(self.backbone_config)
+        for head in FUSION_HEADS.values():  # DWAtt first: the others solve their sizes from its budget
+            head.complete_config(self)
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """Validate every field; raise a ValueError naming the field and its allowed values.
+
+        Runs at construction and again when a model is built from this config, so that a field changed
+        after construction (e.g. ``config.fusion = "mean"`` or ``config.deeper_num_attention_heads = 5``)
+        gets the same error. Every head's fields are checked, whichever head ``fusion`` selects, since
+        the baselines' sizes are stored for all of them.
+        """
+        if self.fusion not in FUSION_HEADS:
             raise ValueError(f"`fusion` must be one of {list(FUSION_METHODS)}; got {self.fusion!r}")
-        _check_int("depth_embedding_size", self.depth_embedding_size)
-        _check_fraction("bottleneck_ratio", self.bottleneck_ratio, allow_zero=False)
-        _check_int("deeper_num_layers", self.deeper_num_layers)
-        for name in ("concat_hidden_size", "deeper_intermediate_size", "deeper_num_attention_heads"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name))
+        check_backbone_dict(self.backbone_config)
+        check_backbone_shape(self.backbone_config)
+        for head in FUSION_HEADS.values():
+            head.check_config(self)
         if self.classifier_dropout is not None:
-            _check_fraction("classifier_dropout", self.classifier_dropout, allow_zero=True)
+            check_fraction("classifier_dropout", self.classifier_dropout, allow_zero=True)
         if self.initializer_range is not None and not (
-            isinstance(self.initializer_range, (int, float)) and self.initializer_range > 0
+            isinstance(self.initializer_range, (int, float)) and not isinstance(self.initializer_range, bool)
+            and self.initializer_range > 0
         ):
             raise ValueError(f"`initializer_range` must be a number > 0; got {self.initializer_range!r}")
-        super().__post_init__(**kwargs)  # builds self.backbone_config from a dict / None
-
-        hidden = self.backbone_config.hidden_size
-        _check_int("backbone_config.hidden_size", hidden)
-        _check_int("backbone_config.num_hidden_layers", self.backbone_config.num_hidden_layers)
-        if self.deeper_num_attention_heads is None:
-            self.deeper_num_attention_heads = getattr(self.backbone_config, "num_attention_heads", 1)
-        if hidden % self.deeper_num_attention_heads != 0:
-            raise ValueError(
-                f"`deeper_num_attention_heads` ({self.deeper_num_attention_heads}) must divide the backbone's "
-                f"`hidden_size` ({hidden})"
-            )
-        budget = self.dwatt_head_num_params()
-        if self.concat_hidden_size is None:
-            self.concat_hidden_size = solve_concat_hidden_size(hidden, self.num_states, budget)
-        if self.deeper_intermediate_size is None:
-            self.deeper_intermediate_size = solve_deeper_intermediate_size(hidden, budget, self.deeper_num_layers)
 
     @property
     def hidden_size(self) -> int:
@@ -175,21 +170,14 @@ class DWAttConfig(PreTrainedConfig):
 
     def dwatt_head_num_params(self) -> int:
         """Parameters of the DWAtt fusion head for this backbone (the budget the baselines are sized to)."""
-        return dwatt_head_num_params(self.hidden_size, self.num_states, self.bottleneck_size,
-                                     self.depth_embedding_size)
+        return FUSION_HEADS["dwatt"].num_params(self)
 
     def fusion_num_params(self, fusion: str | None = None) -> int:
         """Parameters of a fusion head (``fusion`` defaults to this config's), classifier excluded."""
         fusion = self.fusion if fusion is None else fusion
-        if fusion == "dwatt":
-            return self.dwatt_head_num_params()
-        if fusion == "concat":
-            return concat_head_num_params(self.hidden_size, self.num_states, self.concat_hidden_size)
-        if fusion == "deeper":
-            return deeper_head_num_params(self.hidden_size, self.deeper_intermediate_size, self.deeper_num_layers)
-        if fusion == "last":
-            return 0
-        raise ValueError(f"`fusion` must be one of {list(FUSION_METHODS)}; got {fusion!r}")
+        if fusion not in FUSION_HEADS:
+            raise ValueError(f"`fusion` must be one of {list(FUSION_METHODS)}; got {fusion!r}")
+        return FUSION_HEADS[fusion].num_params(self)
 
 
 __all__ = ["DWAttConfig", "FUSION_METHODS"]

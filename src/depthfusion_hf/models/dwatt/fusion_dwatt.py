@@ -5,17 +5,34 @@ output; ``N = L + 1`` tensors of shape [B, T, D]) to one fused state ``h`` [B, T
 classifier reads. Only DWAtt mixes across depth with attention; no head mixes across tokens except
 the deeper baseline (it is a transformer layer).
 
+``FUSION_HEADS`` (name -> head class) is the one table the config and the model read: a head class
+validates and completes its own config fields, counts its parameters, and has one forward signature
+``forward(states, attention_mask) -> (fused, weights or None)``. A new head is a class plus an entry.
+
 The DWAtt equations are those of PAPERS.md §3, taken from a **secondary source** (a third-party
 reimplementation that cites the paper's equation numbers); the paper's own code is not public.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .configuration_dwatt import DWAttConfig
+from .sizes_dwatt import (
+    check_fraction,
+    check_int,
+    concat_head_num_params,
+    deeper_head_num_params,
+    dwatt_head_num_params,
+    solve_concat_hidden_size,
+    solve_deeper_intermediate_size,
+)
+
+if TYPE_CHECKING:
+    from .configuration_dwatt import DWAttConfig
 
 
 def _layer_norm_eps(config: DWAttConfig) -> float:
@@ -36,7 +53,45 @@ class DWAttMLP(nn.Module):
         return self.down(self.norm(F.gelu(self.up(x))))
 
 
-class DWAttDepthAttention(nn.Module):
+class DWAttFusionHead(nn.Module):
+    """The interface of every fusion head (the entries of ``FUSION_HEADS``).
+
+    Class-level (no module built): ``check_config`` validates the config fields the head reads,
+    ``complete_config`` fills the ones left ``None`` (sizes solved from the DWAtt head's budget), and
+    ``num_params`` counts the head's parameters from the config alone. Instance-level: ``forward``.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: DWAttConfig):
+        """Build the head's modules for ``config`` (none by default)."""
+        super().__init__()
+
+    @classmethod
+    def check_config(cls, config: DWAttConfig) -> None:
+        """Raise a ValueError naming the field when a field this head reads is invalid (nothing by default)."""
+
+    @classmethod
+    def complete_config(cls, config: DWAttConfig) -> None:
+        """Fill this head's fields left ``None`` (nothing by default); run at config construction."""
+
+    @classmethod
+    def num_params(cls, config: DWAttConfig) -> int:
+        """Parameters of this head for ``config`` (the classifier is not counted)."""
+        raise NotImplementedError
+
+    def forward(
+        self, states: list[torch.Tensor], attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fuse ``states`` (N tensors [B, T, D], z_0 first; attention_mask [B, T], 1 = real token).
+
+        Returns ``(h, weights)``: h [B, T, D], and the per-token weights over depth [B, T, N] for heads
+        that have them (``None`` otherwise).
+        """
+        raise NotImplementedError
+
+
+class DWAttDepthAttention(DWAttFusionHead):
     """Depth-wise attention over the ``N = L + 1`` states of each token (secondary-source equations).
 
         k_n = W_K e_n                    e_n: learned depth embedding [d_pos]
@@ -48,8 +103,10 @@ class DWAttDepthAttention(nn.Module):
     The attention runs over depth for each token separately; tokens never see each other here.
     """
 
+    name = "dwatt"
+
     def __init__(self, config: DWAttConfig):
-        super().__init__()
+        super().__init__(config)
         hidden, states, bottleneck = config.hidden_size, config.num_states, config.bottleneck_size
         eps = _layer_norm_eps(config)
         self.depth_embeddings = nn.Parameter(torch.empty(states, config.depth_embedding_size))  # e_n: (N, d_pos)
@@ -58,8 +115,30 @@ class DWAttDepthAttention(nn.Module):
         self.value_mlps = nn.ModuleList([DWAttMLP(hidden, bottleneck, hidden, eps) for _ in range(states)])
         self.value_norms = nn.ModuleList([nn.LayerNorm(hidden, eps=eps) for _ in range(states)])
 
-    def forward(self, states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fuse ``states`` (N tensors [B, T, D], z_0 first) into ``h`` [B, T, D]; also return ``a`` [B, T, N]."""
+    @classmethod
+    def check_config(cls, config: DWAttConfig) -> None:
+        """``depth_embedding_size`` >= 1 and ``bottleneck_ratio`` in (0, 1]."""
+        check_int("depth_embedding_size", config.depth_embedding_size)
+        check_fraction("bottleneck_ratio", config.bottleneck_ratio, allow_zero=False)
+
+    @classmethod
+    def complete_config(cls, config: DWAttConfig) -> None:
+        """Nothing to fill; validates the fields the budget (read by the other heads) depends on."""
+        cls.check_config(config)
+
+    @classmethod
+    def num_params(cls, config: DWAttConfig) -> int:
+        """The DWAtt head's count: the budget the baselines are sized to."""
+        return dwatt_head_num_params(config.hidden_size, config.num_states, config.bottleneck_size,
+                                     config.depth_embedding_size)
+
+    def forward(
+        self, states: list[torch.Tensor], attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fuse ``states`` (N tensors [B, T, D], z_0 first) into ``h`` [B, T, D]; also return ``a`` [B, T, N].
+
+        ``attention_mask`` is unused: each token attends over its own depth only.
+        """
         last = states[-1]  # z_L: (B, T, D)
         query = 1.0 + F.elu(last + self.query_mlp(last))  # (B, T, D), entries > 0
         keys = self.key_proj(self.depth_embeddings)  # (N, D)
@@ -71,7 +150,7 @@ class DWAttDepthAttention(nn.Module):
         return fused, weights
 
 
-class DWAttConcatFusion(nn.Module):
+class DWAttConcatFusion(DWAttFusionHead):
     """The Concat baseline: ``h = W_2 LN(GELU(W_1 [z_0; ...; z_L]))``.
 
     The paper concatenates the per-token layer outputs and projects them back to D; the exact head is
@@ -79,17 +158,39 @@ class DWAttConcatFusion(nn.Module):
     DWAtt head's parameter count, so both heads have a similar budget.
     """
 
+    name = "concat"
+
     def __init__(self, config: DWAttConfig):
-        super().__init__()
+        super().__init__(config)
         self.mlp = DWAttMLP(config.num_states * config.hidden_size, config.concat_hidden_size, config.hidden_size,
                             _layer_norm_eps(config))
 
-    def forward(self, states: list[torch.Tensor]) -> torch.Tensor:
-        """N tensors [B, T, D] -> [B, T, D]."""
-        return self.mlp(torch.cat(states, dim=-1))  # (B, T, N * D) -> (B, T, D)
+    @classmethod
+    def check_config(cls, config: DWAttConfig) -> None:
+        """``concat_hidden_size`` is an integer >= 1 (``None`` only before ``complete_config``)."""
+        check_int("concat_hidden_size", config.concat_hidden_size)
+
+    @classmethod
+    def complete_config(cls, config: DWAttConfig) -> None:
+        """Solve ``concat_hidden_size`` from the DWAtt head's budget when it is ``None``."""
+        if config.concat_hidden_size is None:
+            budget = DWAttDepthAttention.num_params(config)
+            config.concat_hidden_size = solve_concat_hidden_size(config.hidden_size, config.num_states, budget)
+        cls.check_config(config)
+
+    @classmethod
+    def num_params(cls, config: DWAttConfig) -> int:
+        """``(L + 1) D m + 3 m + m D + D`` with inner width m."""
+        return concat_head_num_params(config.hidden_size, config.num_states, config.concat_hidden_size)
+
+    def forward(
+        self, states: list[torch.Tensor], attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, None]:
+        """N tensors [B, T, D] -> (h [B, T, D], None); ``attention_mask`` is unused (per-token head)."""
+        return self.mlp(torch.cat(states, dim=-1)), None  # (B, T, N * D) -> (B, T, D)
 
 
-class DWAttDeeperFusion(nn.Module):
+class DWAttDeeperFusion(DWAttFusionHead):
     """The deeper-model baseline: ``config.deeper_num_layers`` extra post-LN transformer layers on ``z_L``.
 
     Assumed form (the paper does not publish it): standard encoder layers (``nn.TransformerEncoderLayer``,
@@ -97,8 +198,10 @@ class DWAttDeeperFusion(nn.Module):
     DWAtt head's parameter count. Unlike the fusion heads it attends across tokens, honouring padding.
     """
 
+    name = "deeper"
+
     def __init__(self, config: DWAttConfig):
-        super().__init__()
+        super().__init__(config)
         dropout = getattr(config.backbone_config, "hidden_dropout_prob", 0.1) or 0.0
         self.layers = nn.ModuleList(
             [
@@ -115,13 +218,77 @@ class DWAttDeeperFusion(nn.Module):
             ]
         )
 
-    def forward(self, last: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """last: z_L [B, T, D]; attention_mask: [B, T] with 1 = real token. Returns [B, T, D]."""
+    @classmethod
+    def check_config(cls, config: DWAttConfig) -> None:
+        """``deeper_num_layers``, ``deeper_intermediate_size`` >= 1; ``deeper_num_attention_heads`` divides D."""
+        check_int("deeper_num_layers", config.deeper_num_layers)
+        check_int("deeper_intermediate_size", config.deeper_intermediate_size)
+        heads = config.deeper_num_attention_heads
+        check_int("deeper_num_attention_heads", heads)
+        if config.hidden_size % heads != 0:
+            raise ValueError(
+                f"`deeper_num_attention_heads` ({heads}) must divide the backbone's `hidden_size` "
+                f"({config.hidden_size})"
+            )
+
+    @classmethod
+    def complete_config(cls, config: DWAttConfig) -> None:
+        """Take the backbone's head count and solve the FFN width from the DWAtt head's budget when ``None``."""
+        check_int("deeper_num_layers", config.deeper_num_layers)
+        if config.deeper_num_attention_heads is None:
+            config.deeper_num_attention_heads = getattr(config.backbone_config, "num_attention_heads", 1)
+        if config.deeper_intermediate_size is None:
+            budget = DWAttDepthAttention.num_params(config)
+            config.deeper_intermediate_size = solve_deeper_intermediate_size(
+                config.hidden_size, budget, config.deeper_num_layers
+            )
+        cls.check_config(config)
+
+    @classmethod
+    def num_params(cls, config: DWAttConfig) -> int:
+        """``deeper_num_layers`` x (attention ``4 D^2 + 4 D`` + FFN + two LayerNorms)."""
+        return deeper_head_num_params(config.hidden_size, config.deeper_intermediate_size, config.deeper_num_layers)
+
+    def forward(
+        self, states: list[torch.Tensor], attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, None]:
+        """Run the extra layers on z_L = states[-1] [B, T, D], ignoring positions where attention_mask is 0."""
         padding = None if attention_mask is None else attention_mask == 0  # (B, T), True = ignore
-        hidden = last
+        hidden = states[-1]
         for layer in self.layers:
             hidden = layer(hidden, src_key_padding_mask=padding)
-        return hidden
+        return hidden, None
 
 
-__all__ = ["DWAttConcatFusion", "DWAttDeeperFusion", "DWAttDepthAttention", "DWAttMLP"]
+class DWAttLastLayer(DWAttFusionHead):
+    """The ordinary token-classification baseline: ``h = z_L``, no parameters."""
+
+    name = "last"
+
+    @classmethod
+    def num_params(cls, config: DWAttConfig) -> int:
+        """0: the head has no parameters."""
+        return 0
+
+    def forward(
+        self, states: list[torch.Tensor], attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, None]:
+        """(z_L = states[-1] [B, T, D], None)."""
+        return states[-1], None
+
+
+# The fusion heads by config name. DWAtt comes first: the others' sizes are solved from its budget.
+FUSION_HEADS: dict[str, type[DWAttFusionHead]] = {
+    head.name: head for head in (DWAttDepthAttention, DWAttConcatFusion, DWAttLastLayer, DWAttDeeperFusion)
+}
+
+
+__all__ = [
+    "FUSION_HEADS",
+    "DWAttConcatFusion",
+    "DWAttDeeperFusion",
+    "DWAttDepthAttention",
+    "DWAttFusionHead",
+    "DWAttLastLayer",
+    "DWAttMLP",
+]

@@ -21,7 +21,38 @@ from transformers.modeling_outputs import TokenClassifierOutput
 from transformers.modeling_utils import PreTrainedModel
 
 from .configuration_dwatt import DWAttConfig
-from .fusion_dwatt import DWAttConcatFusion, DWAttDeeperFusion, DWAttDepthAttention
+from .fusion_dwatt import FUSION_HEADS, DWAttDepthAttention
+
+
+# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.check_token_inputs
+def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
+    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
+
+    Args:
+        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
+        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+    Raises:
+        ValueError: unless exactly one of the two is given, it has the shape above with at least one
+            token, and (for ids) an integer dtype and every id in range.
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
+    if tensor.dim() != rank:
+        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
+        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
+    if tensor.numel() == 0:
+        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
+    if input_ids is None:
+        return
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
+    if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):  # one device sync, min/max only on error
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
+            f"max {int(input_ids.max())}"
+        )
 
 
 @dataclass
@@ -88,19 +119,13 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
     def __init__(self, config: DWAttConfig, backbone: PreTrainedModel | None = None):
         """Build the model; pass ``backbone`` (an ``AutoModel`` matching ``config.backbone_config``) to reuse
         loaded weights, otherwise a randomly initialised one is built from the config."""
+        config.check_fields()
         super().__init__(config)
         self.num_labels = config.num_labels
         self.backbone = backbone if backbone is not None else AutoModel.from_config(config.backbone_config)
         if getattr(self.backbone, "pooler", None) is not None:
             self.backbone.pooler = None  # unused by token classification (as in BertForTokenClassification)
-        if config.fusion == "dwatt":
-            self.fusion = DWAttDepthAttention(config)
-        elif config.fusion == "concat":
-            self.fusion = DWAttConcatFusion(config)
-        elif config.fusion == "deeper":
-            self.fusion = DWAttDeeperFusion(config)
-        else:
-            self.fusion = None  # "last"
+        self.fusion = FUSION_HEADS[config.fusion](config)
         dropout = config.classifier_dropout
         if dropout is None:
             dropout = getattr(config.backbone_config, "hidden_dropout_prob", 0.1) or 0.0
@@ -145,7 +170,7 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
 
     def fusion_num_parameters(self) -> int:
         """Parameters of the fusion head alone (0 for ``"last"``); the classifier is not counted."""
-        return 0 if self.fusion is None else sum(p.numel() for p in self.fusion.parameters())
+        return sum(p.numel() for p in self.fusion.parameters())
 
     def forward(
         self,
@@ -170,6 +195,7 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
             kwargs: other backbone arguments (e.g. ``output_attentions``); ``num_items_in_batch``
                 (from the ``Trainer``) goes to the loss.
         """
+        check_token_inputs(input_ids, inputs_embeds, self.get_input_embeddings().num_embeddings)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
@@ -191,16 +217,8 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
         # covers encoders that normalise after their last layer).
         states[-1] = outputs.last_hidden_state
 
-        depth_attentions = None
-        if self.config.fusion == "dwatt":
-            fused, weights = self.fusion(states)
-            depth_attentions = weights if output_depth_attentions else None
-        elif self.config.fusion == "concat":
-            fused = self.fusion(states)
-        elif self.config.fusion == "deeper":
-            fused = self.fusion(states[-1], attention_mask)
-        else:
-            fused = states[-1]
+        fused, weights = self.fusion(states, attention_mask)  # (B, T, D), (B, T, L + 1) or None
+        depth_attentions = weights if output_depth_attentions else None
         logits = self.classifier(self.dropout(fused))  # (B, T, num_labels)
 
         loss = None
