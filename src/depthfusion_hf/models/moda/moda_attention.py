@@ -25,6 +25,18 @@ Three implementations behind :func:`moda_attention`, one signature:
 The backend is chosen by the ``backend`` argument, else the ``DEPTHFUSION_BACKEND`` environment
 variable, else automatically (Triton for CUDA tensors when available, PyTorch otherwise).
 
+One convention for callers:
+
+- :func:`moda_attention` validates the inputs, resolves the backend and calls
+  :func:`moda_attention_with_backend`, the unvalidated core a model calls after resolving once per
+  forward. The core routes what a kernel cannot compute: float64 and a float mask that needs a
+  gradient go from Triton to the PyTorch path (``moda_triton.py`` never imports this module).
+- Every path is differentiable twice: the custom Functions (CPU flash, Triton) compute second-order
+  gradients by recomputing the materialised :func:`moda_torch_math` under ``create_graph=True``.
+- :func:`moda_forward_saving` / :func:`moda_backward_from`: the forward without an autograd graph and
+  its backward as plain functions (CPU flash path and Triton), for a caller that owns the backward of a
+  whole pass (the model's depth stream); depth entries may be strided views of a larger buffer.
+
 This file must stay self-contained (only ``torch`` and same-folder relative imports): it is
 copied next to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
 """
@@ -33,13 +45,21 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
 try:  # Triton is optional: the model loads and runs without it.
-    from .moda_triton import moda_triton_available, triton_moda_attention
+    from .moda_triton import (
+        TRITON_MODA_DTYPES,
+        moda_triton_available,
+        triton_moda_attention,
+        triton_moda_backward,
+        triton_moda_forward,
+    )
 except Exception:  # pragma: no cover - depends on the environment
-    triton_moda_attention = None
+    TRITON_MODA_DTYPES = ()
+    triton_moda_attention = triton_moda_forward = triton_moda_backward = None
 
     def moda_triton_available() -> bool:
         """Triton could not be imported: the fused kernel is unavailable."""
@@ -289,7 +309,7 @@ def _sequence_mask(
     elif attention_mask.dtype == torch.bool:
         mask = torch.zeros(attention_mask.shape, dtype=dtype).masked_fill(~attention_mask, float("-inf"))
     else:
-        mask = attention_mask.to(dtype)
+        mask = attention_mask.detach().to(dtype)
     if keep is not None:
         mask = mask.masked_fill(~keep, float("-inf"))
     while mask.dim() < 4:
@@ -303,6 +323,86 @@ def _sequence_mask(
         if bool(empty.any()):
             empty_rows = empty
     return mask, is_causal, empty_rows
+
+
+def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dim is unit-stride, else a contiguous copy: the CPU flash kernel
+    assumes a unit stride there and returns garbage otherwise (any other stride, 0 included, is read right)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _flash_cpu_forward(q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale):
+    """The fused CPU forward without autograd: ``(out [B, Hq, T, d], (lse_kernel, alpha, probs))``.
+
+    ``q``, ``k``, ``v`` must have a unit-stride last dim (see :func:`_unit_stride_last`); the depth
+    tensors may have any strides. ``mask``, ``is_causal``, ``empty_rows`` from :func:`_sequence_mask`.
+    """
+    batch, num_q_heads, q_len, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    out_seq, lse_kernel = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_seq = lse_kernel.to(work)  # (B, Hq, T)
+    if empty_rows is not None:
+        lse_seq = lse_seq.masked_fill(empty_rows, float("-inf"))
+        out_seq = out_seq.masked_fill(empty_rows.unsqueeze(-1), 0.0)  # alpha is 0 there: keep 0 * out finite
+    lse_seq = lse_seq.view(batch, num_kv_heads, group, q_len)
+    q5 = q.view(batch, num_kv_heads, group, q_len, head_dim).to(work)
+    depth_logits = torch.einsum("bhgtd,bhtmd->bhgtm", q5, depth_k.to(work)) * scale  # (B, Hkv, G, T, M)
+    lse = torch.logaddexp(lse_seq, torch.logsumexp(depth_logits, dim=-1))  # (B, Hkv, G, T)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # no visible entry: zeros, not NaN
+    alpha = torch.exp(lse_seq - lse)  # (B, Hkv, G, T)
+    probs = torch.exp(depth_logits - lse.unsqueeze(-1))  # (B, Hkv, G, T, M)
+    out = alpha.unsqueeze(-1) * out_seq.view(batch, num_kv_heads, group, q_len, head_dim).to(work)
+    out = out + torch.einsum("bhgtm,bhtmd->bhgtd", probs, depth_v.to(work))
+    return out.reshape(batch, num_q_heads, q_len, head_dim).to(q.dtype), (lse_kernel, alpha, probs)
+
+
+def _flash_cpu_backward(grad_out, q, k, v, depth_k, depth_v, out, state, mask, is_causal, scale, needs):
+    """The fused CPU backward without autograd: the five gradients, None where ``needs`` is False.
+
+    See ``_MoDAFlashCPU`` for the derivation; ``state`` is the second value of :func:`_flash_cpu_forward`.
+    """
+    lse_kernel, alpha, probs = state
+    batch, num_q_heads, q_len, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    work = alpha.dtype
+    shape5 = (batch, num_kv_heads, group, q_len, head_dim)
+    grad5 = grad_out.to(work).reshape(shape5)  # (B, Hkv, G, T, d)
+    grad_q = grad_k = grad_v = grad_depth_k = grad_depth_v = None
+    if needs[0] or needs[1] or needs[2]:
+        grad_seq = (alpha.unsqueeze(-1) * grad5).view(batch, num_q_heads, q_len, head_dim).to(q.dtype)
+        grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(
+            grad_seq, q, k, v, out, lse_kernel, 0.0, is_causal, attn_mask=mask, scale=scale
+        )
+    if probs.shape[-1] > 0 and (needs[0] or needs[3]):
+        delta = (grad5 * out.to(work).view(shape5)).sum(dim=-1)  # D = rowsum(dO * out), (B, Hkv, G, T)
+        grad_probs = torch.einsum("bhgtd,bhtmd->bhgtm", grad5, depth_v.to(work))  # (B, Hkv, G, T, M)
+        # dS = P (dP - D), times the logit scale here on the small [.., M] tensor, not on [.., M, d].
+        grad_logits = probs * (grad_probs - delta.unsqueeze(-1)) * scale
+        if needs[0]:
+            grad_q_depth = torch.einsum("bhgtm,bhtmd->bhgtd", grad_logits, depth_k.to(work))
+            grad_q = (grad_q.to(work).reshape(shape5) + grad_q_depth).reshape(q.shape).to(q.dtype)
+        if needs[3]:
+            q5 = q.view(shape5).to(work)
+            grad_depth_k = torch.einsum("bhgtm,bhgtd->bhtmd", grad_logits, q5).to(depth_k.dtype)
+    elif needs[3]:
+        grad_depth_k = torch.zeros(depth_k.shape, dtype=depth_k.dtype)
+    if needs[4]:
+        grad_depth_v = torch.einsum("bhgtm,bhgtd->bhtmd", probs, grad5).to(depth_v.dtype)
+    grads = (grad_q, grad_k, grad_v, grad_depth_k, grad_depth_v)
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+def _second_order_grads(inputs, needs, grad_out, attention_mask, scale, causal):
+    """Gradients of :func:`moda_torch_math` recomputed with ``create_graph=True`` (a custom Function's
+    backward run under ``create_graph``): correct, twice differentiable, and materialised [T, S]."""
+    out = moda_torch_math(*inputs, attention_mask, scale, causal)
+    wanted = [x for x, need in zip(inputs, needs) if need]
+    grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True, allow_unused=True))
+    result = [next(grads) if need else None for need in needs]
+    return tuple(torch.zeros_like(x) if need and g is None else g for x, need, g in zip(inputs, needs, result))
 
 
 class _MoDAFlashCPU(torch.autograd.Function):
@@ -321,64 +421,30 @@ class _MoDAFlashCPU(torch.autograd.Function):
     which is exactly the joint ``dS`` on the sequence keys since ``P = alpha P_s``; its dV is
     ``P_s^T alpha dO = P^T dO``. The depth part is a few small batched products. Saved: the inputs,
     the output, the kernel's log-sum-exp [B, Hq, T], ``alpha`` [B, Hq, T] and ``p`` [B, Hq, T, M].
+
+    Second-order gradients (a backward under ``create_graph=True``) are computed by recomputing the
+    materialised :func:`moda_torch_math` on the saved inputs and differentiating it.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale):  # noqa: D102
-        batch, num_q_heads, q_len, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        group = num_q_heads // num_kv_heads
-        out_seq, lse_kernel = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
-        work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        lse_seq = lse_kernel.to(work)  # (B, Hq, T)
-        if empty_rows is not None:
-            lse_seq = lse_seq.masked_fill(empty_rows, float("-inf"))
-        lse_seq = lse_seq.view(batch, num_kv_heads, group, q_len)
-        q5 = q.view(batch, num_kv_heads, group, q_len, head_dim).to(work)
-        depth_logits = torch.einsum("bhgtd,bhtmd->bhgtm", q5, depth_k.to(work)) * scale  # (B, Hkv, G, T, M)
-        lse = torch.logaddexp(lse_seq, torch.logsumexp(depth_logits, dim=-1))  # (B, Hkv, G, T)
-        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # no visible entry: zeros, not NaN
-        alpha = torch.exp(lse_seq - lse)  # (B, Hkv, G, T)
-        probs = torch.exp(depth_logits - lse.unsqueeze(-1))  # (B, Hkv, G, T, M)
-        out = alpha.unsqueeze(-1) * out_seq.view(batch, num_kv_heads, group, q_len, head_dim).to(work)
-        out = out + torch.einsum("bhgtm,bhtmd->bhgtd", probs, depth_v.to(work))
-        out = out.reshape(batch, num_q_heads, q_len, head_dim).to(q.dtype)
-        ctx.save_for_backward(q, k, v, depth_k, depth_v, out, lse_kernel, alpha, probs, mask)
-        ctx.is_causal, ctx.scale = is_causal, scale
+    def forward(ctx, q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale, attention_mask, causal):  # noqa: D102
+        out, state = _flash_cpu_forward(q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale)
+        ctx.save_for_backward(q, k, v, depth_k, depth_v, out, *state)
+        ctx.mask, ctx.is_causal, ctx.scale = mask, is_causal, scale
+        ctx.attention_mask, ctx.causal = attention_mask, causal
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
-        q, k, v, depth_k, depth_v, out, lse_kernel, alpha, probs, mask = ctx.saved_tensors
-        batch, num_q_heads, q_len, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        group = num_q_heads // num_kv_heads
-        work = alpha.dtype
-        shape5 = (batch, num_kv_heads, group, q_len, head_dim)
-        grad5 = grad_out.to(work).reshape(shape5)  # (B, Hkv, G, T, d)
-        delta = (grad5 * out.to(work).view(shape5)).sum(dim=-1)  # D = rowsum(dO * out), (B, Hkv, G, T)
-        grad_seq = (alpha.unsqueeze(-1) * grad5).view(batch, num_q_heads, q_len, head_dim).to(q.dtype)
-        grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(
-            grad_seq, q, k, v, out, lse_kernel, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale
-        )
-        grad_depth_k = grad_depth_v = None
-        if probs.shape[-1] > 0:
-            depth_v_w = depth_v.to(work)
-            grad_probs = torch.einsum("bhgtd,bhtmd->bhgtm", grad5, depth_v_w)  # (B, Hkv, G, T, M)
-            # dS = P (dP - D), times the logit scale here on the small [.., M] tensor, not on [.., M, d].
-            grad_logits = probs * (grad_probs - delta.unsqueeze(-1)) * ctx.scale
-            if ctx.needs_input_grad[0]:
-                grad_q_depth = torch.einsum("bhgtm,bhtmd->bhgtd", grad_logits, depth_k.to(work))
-                grad_q = (grad_q.to(work).reshape(shape5) + grad_q_depth).reshape(q.shape).to(q.dtype)
-            if ctx.needs_input_grad[3]:
-                q5 = q.view(shape5).to(work)
-                grad_depth_k = torch.einsum("bhgtm,bhgtd->bhtmd", grad_logits, q5).to(depth_k.dtype)
-            if ctx.needs_input_grad[4]:
-                grad_depth_v = torch.einsum("bhgtm,bhgtd->bhtmd", probs, grad5).to(depth_v.dtype)
+        q, k, v, depth_k, depth_v, out, *state = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:5])
+        if torch.is_grad_enabled():  # create_graph=True
+            grads = _second_order_grads((q, k, v, depth_k, depth_v), needs, grad_out, ctx.attention_mask,
+                                        ctx.scale, ctx.causal)
         else:
-            grad_depth_k, grad_depth_v = torch.zeros_like(depth_k), torch.zeros_like(depth_v)
-        return grad_q, grad_k, grad_v, grad_depth_k, grad_depth_v, None, None, None, None
+            grads = _flash_cpu_backward(grad_out, q, k, v, depth_k, depth_v, out, state, ctx.mask,
+                                        ctx.is_causal, ctx.scale, needs)
+        return (*grads, None, None, None, None, None, None)
 
 
 def moda_torch_flash_cpu(
@@ -394,16 +460,19 @@ def moda_torch_flash_cpu(
     """MoDA on CPU through SDPA's fused flash kernel for the sequence pool (no [T, S] matrix kept).
 
     Exact: the sequence pool's output and log-sum-exp are merged with the depth pool in one softmax
-    (see ``_MoDAFlashCPU``). Differentiable once in q, k, v, depth_k, depth_v (not in the mask).
+    (see ``_MoDAFlashCPU``). Differentiable in q, k, v, depth_k, depth_v (not in the mask), twice
+    through a materialised recompute. Any strides (q, k, v whose last dim is not unit-stride are
+    copied for the kernel).
 
     Args:
-        q: [B, Hq, T, d] on CPU; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
+        q: [B, Hq, T, d] on CPU, T >= 1; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
         attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S].
     Returns:
         [B, Hq, T, d] in q's dtype.
     """
     mask, is_causal, empty_rows = _sequence_mask(attention_mask, causal, q.shape[2], k.shape[2], q.dtype)
-    return _MoDAFlashCPU.apply(q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale)
+    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
+    return _MoDAFlashCPU.apply(q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale, attention_mask, causal)
 
 
 def _dispatch_mode_active() -> bool:
@@ -412,6 +481,10 @@ def _dispatch_mode_active() -> bool:
         return torch._C._len_torch_dispatch_stack() > 0
     except AttributeError:  # pragma: no cover - older torch
         return False
+
+
+def _mask_needs_grad(attention_mask: torch.Tensor | None) -> bool:
+    return attention_mask is not None and attention_mask.requires_grad and torch.is_grad_enabled()
 
 
 def _flash_cpu_applies(q: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
@@ -426,9 +499,14 @@ def _flash_cpu_applies(q: torch.Tensor, attention_mask: torch.Tensor | None) -> 
         and q.device.type == "cpu"
         and q.dtype in _FLASH_CPU_DTYPES
         and q.shape[2] > 0
-        and (attention_mask is None or not attention_mask.requires_grad)
+        and not _mask_needs_grad(attention_mask)
         and not _dispatch_mode_active()
     )
+
+
+def _triton_applies(q: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """The Triton kernels serve their dtypes (not float64) with a mask that needs no gradient."""
+    return q.dtype in TRITON_MODA_DTYPES and not _mask_needs_grad(attention_mask)
 
 
 def moda_torch(
@@ -453,6 +531,146 @@ def moda_torch(
     return moda_torch_math(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
 
 
+def moda_attention_with_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    backend: str,
+) -> torch.Tensor:
+    """The unvalidated core of :func:`moda_attention` for callers that validated and resolved once.
+
+    Args:
+        q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d] (any strides).
+        attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S].
+        scale: the logit scale (a float, no default here); causal: as in :func:`moda_attention`.
+        backend: a resolved backend, ``"reference"``, ``"torch"`` or ``"triton"`` (from :func:`resolve_backend`).
+            Calls the Triton kernels cannot compute (float64, a mask that needs a gradient) run the
+            PyTorch path instead.
+    Returns:
+        [B, Hq, T, d] in q's dtype.
+    """
+    if backend == "reference":
+        return moda_reference(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
+    if backend == "triton" and _triton_applies(q, attention_mask):
+        return triton_moda_attention(q, k, v, depth_k, depth_v, attention_mask, scale, causal,
+                                     second_order=moda_torch_math)
+    return moda_torch(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
+
+
+@dataclass
+class MoDASaved:
+    """What :func:`moda_backward_from` needs from :func:`moda_forward_saving` (opaque to callers).
+
+    ``path`` is ``"flash_cpu"`` or ``"triton"``; ``inputs`` are q, k, v, depth_k, depth_v as the
+    kernel read them (views are kept, not copied: do not write into them before the backward);
+    ``out`` [B, Hq, T, d]; ``state`` the path's saved statistics.
+    """
+
+    path: str
+    inputs: tuple[torch.Tensor, ...]
+    out: torch.Tensor
+    state: tuple
+    mask: torch.Tensor | None
+    is_causal: bool
+    scale: float
+    causal: bool
+
+
+def moda_saving_supported(q: torch.Tensor, attention_mask: torch.Tensor | None, backend: str) -> bool:
+    """True when :func:`moda_forward_saving` can serve this call (else use :func:`moda_attention_with_backend`).
+
+    Supported: ``backend="torch"`` on CPU (the fused flash path: fp32, fp64, bf16, fp16) and
+    ``backend="triton"`` (fp32, bf16, fp16 on the kernels' device), with T >= 1 and a mask that needs
+    no gradient; not ``"reference"``, not the PyTorch path on other devices, not under a Python
+    dispatch mode (FLOP counters, fake tensors).
+    """
+    if q.shape[2] == 0 or _mask_needs_grad(attention_mask):
+        return False
+    if backend == "torch":
+        return _flash_cpu_applies(q, attention_mask)
+    if backend == "triton":
+        return moda_triton_available() and _triton_applies(q, attention_mask) and not _dispatch_mode_active()
+    return False
+
+
+def moda_forward_saving(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    backend: str,
+) -> tuple[torch.Tensor, MoDASaved]:
+    """MoDA forward without an autograd graph, keeping what :func:`moda_backward_from` needs.
+
+    For callers that own the backward of a whole pass (the model's depth stream). Inputs are not
+    validated (as for :func:`moda_attention_with_backend`); ``depth_k`` / ``depth_v`` may be any
+    strided views [B, Hkv, T, M, d], e.g. ``buffer[:, :, :, lo:hi]`` of a token-major buffer, M may be 0.
+
+    Args:
+        q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
+        attention_mask: None, bool (True = attend) or additive float (no gradient), broadcastable to [B, Hq, T, S].
+        scale: the logit scale; causal: as in :func:`moda_attention`.
+        backend: ``"torch"`` (CPU flash path) or ``"triton"``; see :func:`moda_saving_supported`.
+    Returns:
+        ``(out, saved)``: out [B, Hq, T, d] in q's dtype (no grad_fn), saved a :class:`MoDASaved`.
+    Raises:
+        ValueError: when the call is not supported (backend, device, dtype, T = 0, a mask that needs a
+            gradient, a dispatch mode); the message names the problem. Use :func:`moda_attention_with_backend`.
+    """
+    if not moda_saving_supported(q, attention_mask, backend):
+        raise ValueError(
+            "moda_forward_saving supports backend='torch' on CPU (fp32/fp64/bf16/fp16) and backend='triton' "
+            f"(fp32/bf16/fp16), T >= 1, a mask without gradient, no dispatch mode; got backend={backend!r}, "
+            f"device={q.device.type}, dtype={q.dtype}, T={q.shape[2]}, "
+            f"mask requires grad={_mask_needs_grad(attention_mask)}; use moda_attention_with_backend instead"
+        )
+    scale, causal = float(scale), bool(causal)
+    with torch.no_grad():
+        if backend == "triton":
+            out, state = triton_moda_forward(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
+            return out, MoDASaved("triton", (q, k, v, depth_k, depth_v), out, state, None, causal, scale, causal)
+        mask, is_causal, empty_rows = _sequence_mask(attention_mask, causal, q.shape[2], k.shape[2], q.dtype)
+        q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
+        out, state = _flash_cpu_forward(q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale)
+    return out, MoDASaved("flash_cpu", (q, k, v, depth_k, depth_v), out, state, mask, is_causal, scale, causal)
+
+
+def moda_backward_from(
+    saved: MoDASaved,
+    grad_out: torch.Tensor,
+    needs: tuple[bool, bool, bool, bool, bool] = (True,) * 5,
+) -> tuple[torch.Tensor | None, ...]:
+    """The backward of :func:`moda_forward_saving`: ``(dq, dk, dv, d_depth_k, d_depth_v)``.
+
+    Args:
+        saved: from :func:`moda_forward_saving`.
+        grad_out: [B, Hq, T, d], the gradient of the output (any strides).
+        needs: which of the five gradients to return (None for the others; skipping dk and dv, or the
+            depth gradients, skips their work).
+    Returns:
+        Gradients with their inputs' shapes (the depth gradients have the view's shape
+        [B, Hkv, T, M, d], fresh tensors to be added into the caller's buffer), in the inputs' dtypes.
+        Computed without an autograd graph (first order only).
+    """
+    needs = tuple(bool(n) for n in needs)
+    with torch.no_grad():
+        if saved.path == "triton":
+            grads = triton_moda_backward(grad_out, *saved.inputs, saved.out, saved.state, saved.scale, saved.causal,
+                                         sequence_kv=needs[1] or needs[2])
+            return tuple(g if need else None for g, need in zip(grads, needs))
+        return _flash_cpu_backward(grad_out, *saved.inputs, saved.out, saved.state, saved.mask, saved.is_causal,
+                                   saved.scale, needs)
+
+
 def moda_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -475,31 +693,33 @@ def moda_attention(
             with the same GQA mapping.
         attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S].
             It applies to the sequence pool only; depth entries are always visible to their token.
+            A float mask that requires grad gets its gradient (on every backend).
         scale: logit scale for both pools; default ``1 / sqrt(d)``.
         causal: hide sequence keys after the query's position ``S - T + t``.
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (then
             ``$DEPTHFUSION_BACKEND``, default ``"auto"``).
     Returns:
-        [B, Hq, T, d] in q's dtype. A row with no visible entry at all (every sequence key masked
-        with False/-inf and M = 0) returns zeros rather than NaN.
+        [B, Hq, T, d] in q's dtype, differentiable twice. A row with no visible entry at all (every
+        sequence key masked with False/-inf and M = 0) returns zeros rather than NaN.
     Raises:
         ValueError: when a shape, dtype or device does not fit (the message names the argument and the
             expected shape), or the backend is unknown.
     """
     check_moda_inputs(q, k, v, depth_k, depth_v, attention_mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    choice = resolve_backend(backend, q.device)
-    if choice == "reference":
-        return moda_reference(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
-    if choice == "triton":
-        return triton_moda_attention(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
-    return moda_torch(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
+    backend = resolve_backend(backend, q.device)
+    return moda_attention_with_backend(q, k, v, depth_k, depth_v, attention_mask, scale, causal, backend)
 
 
 __all__ = [
+    "MoDASaved",
     "moda_attention",
+    "moda_attention_with_backend",
+    "moda_backward_from",
+    "moda_forward_saving",
     "moda_joint_probs",
     "moda_reference",
+    "moda_saving_supported",
     "moda_torch",
     "moda_torch_flash_cpu",
     "moda_torch_math",

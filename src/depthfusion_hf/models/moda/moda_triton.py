@@ -36,9 +36,15 @@ Kernel design (the paper's "hardware-efficient MoDA", Sec. 3.2-3.3):
   (grid over sequence KV blocks, looping over the query blocks that can see the block, all G heads
   at once) gives the sequence dK / dV. Gradients are written once, in the inputs' dtypes.
 
-Not covered by the kernel: float64 (computed by the PyTorch path, ``moda_attention.moda_torch``);
-gradients for the mask. Known limit: a decoding step (T = 1) launches only B * Hkv programs, each
-scanning all S keys (no split-S "flash-decoding"), so long-cache decoding underfills a large GPU.
+Not covered by the kernels (``moda_attention`` routes these calls to the PyTorch path; this module
+never imports it): float64; a float mask that needs a gradient. Second-order gradients are computed
+by recomputing through a caller-supplied twice-differentiable op (``second_order``), else refused.
+Depth entries are read, and their gradients written, through strides: ``depth_k`` may be a slice of
+a larger token-major buffer. :func:`triton_moda_forward` / :func:`triton_moda_backward` expose the
+two halves without autograd for callers that own the backward (the model's depth stream).
+
+Known limit: a decoding step (T = 1) launches only B * Hkv programs, each scanning all S keys
+(no split-S "flash-decoding"), so long-cache decoding underfills a large GPU.
 The tile sizes and the DEPTH_DOT switch are set by rule, not tuned on a GPU.
 
 Triton is optional: without it this module still imports (the kernels are defined against a
@@ -76,10 +82,16 @@ except Exception:  # pragma: no cover - depends on the environment
     triton = _TritonStandIn()  # type: ignore[assignment]
     tl = _TritonLanguageStandIn()  # type: ignore[assignment]
 
-__all__ = ["moda_triton_available", "triton_moda_attention"]
+__all__ = [
+    "TRITON_MODA_DTYPES",
+    "moda_triton_available",
+    "triton_moda_attention",
+    "triton_moda_backward",
+    "triton_moda_forward",
+]
 
 _LOG2E = 1.4426950408889634
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_MODA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the kernels compute
 
 
 def _interpreting() -> bool:
@@ -304,6 +316,8 @@ def _moda_bwd_dq_depth_kernel(
     s_vb, s_vh, s_vs, s_vd,
     s_dkb, s_dkh, s_dkt, s_dkm, s_dkd,
     s_dvb, s_dvh, s_dvt, s_dvm, s_dvd,
+    s_gkb, s_gkh, s_gkt, s_gkm, s_gkd,
+    s_gvb, s_gvh, s_gvt, s_gvm, s_gvd,
     s_mb, s_mh, s_mt, s_ms,
     Hkv, T, S, M, D, G, scale, qk_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -313,7 +327,8 @@ def _moda_bwd_dq_depth_kernel(
     """dQ (all G heads of a query block) and the block's depth dK / dV, recomputing P from ``lse``.
 
     ``do``, ``dq`` are contiguous [B, Hq, T, D]; ``lse``, ``delta`` contiguous [B, Hq, T] fp32;
-    ``ddk``, ``ddv`` contiguous [B, Hkv, T, M, D].
+    ``ddk``, ``ddv`` [B, Hkv, T, M, D] are written through their strides (``s_gk*``, ``s_gv*``), like
+    the depth entries ``dk``, ``dv`` are read through theirs (``s_dk*``, ``s_dv*``).
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     # int64 batch / head indices: every offset built from them is int64 (tensors may exceed 2**31 elements).
@@ -363,8 +378,8 @@ def _moda_bwd_dq_depth_kernel(
     # depth gradients are complete here and are written once.
     p_dk = dk + i_b * s_dkb + i_hkv * s_dkh
     p_dv = dv + i_b * s_dvb + i_hkv * s_dvh
-    p_ddk = ddk + (i_b * Hkv + i_hkv) * T * M * D
-    p_ddv = ddv + (i_b * Hkv + i_hkv) * T * M * D
+    p_ddk = ddk + i_b * s_gkb + i_hkv * s_gkh
+    p_ddv = ddv + i_b * s_gvb + i_hkv * s_gvh
     j_lo = t_first * M
     j_hi = (t_last + 1) * M
     if DEPTH_DOT:
@@ -386,15 +401,18 @@ def _moda_bwd_dq_depth_kernel(
             b_dq += _dot(b_ds.to(b_dkt.dtype), tl.trans(b_dkt), INPUT_PRECISION, UPCAST)
             b_ddv = _dot(tl.trans(b_p.to(b_do.dtype)), b_do, INPUT_PRECISION, UPCAST)
             b_ddk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, INPUT_PRECISION, UPCAST) * scale
-            tl.store(p_ddk + o_j[:, None] * D + o_d[None, :], b_ddk.to(ddk.dtype.element_ty), mask=m_jd)
-            tl.store(p_ddv + o_j[:, None] * D + o_d[None, :], b_ddv.to(ddv.dtype.element_ty), mask=m_jd)
+            p_gk = p_ddk + o_jt[:, None] * s_gkt + o_jm[:, None] * s_gkm + o_d[None, :] * s_gkd
+            p_gv = p_ddv + o_jt[:, None] * s_gvt + o_jm[:, None] * s_gvm + o_d[None, :] * s_gvd
+            tl.store(p_gk, b_ddk.to(ddk.dtype.element_ty), mask=m_jd)
+            tl.store(p_gv, b_ddv.to(ddv.dtype.element_ty), mask=m_jd)
     else:
         # Per-entry form (see the forward); the G rows of a token are summed by a reshape.
         p_dk_r = p_dk + o_t[:, None].to(tl.int64) * s_dkt + o_d[None, :] * s_dkd
         p_dv_r = p_dv + o_t[:, None].to(tl.int64) * s_dvt + o_d[None, :] * s_dvd
         o_tt = t_first + tl.arange(0, BLOCK_T)  # the block's tokens
         m_td = (o_tt < T)[:, None] & m_d[None, :]
-        p_dd = (o_tt.to(tl.int64) * M)[:, None] * D + o_d[None, :]  # [BLOCK_T, BLOCK_D] at m = 0
+        p_gk = p_ddk + o_tt[:, None].to(tl.int64) * s_gkt + o_d[None, :] * s_gkd  # [BLOCK_T, BLOCK_D] at m = 0
+        p_gv = p_ddv + o_tt[:, None].to(tl.int64) * s_gvt + o_d[None, :] * s_gvd
         b_qf = b_q.to(tl.float32)
         b_dof = b_do.to(tl.float32)
         for i_m in range(0, M):
@@ -406,8 +424,8 @@ def _moda_bwd_dq_depth_kernel(
             b_dq += b_dsm[:, None] * b_dkr
             b_ddv = tl.sum(tl.reshape(b_pm[:, None] * b_dof, [BLOCK_T, G_PAD, BLOCK_D]), 1)
             b_ddk = tl.sum(tl.reshape(b_dsm[:, None] * b_qf, [BLOCK_T, G_PAD, BLOCK_D]), 1) * scale
-            tl.store(p_ddk + p_dd + i_m * D, b_ddk.to(ddk.dtype.element_ty), mask=m_td)
-            tl.store(p_ddv + p_dd + i_m * D, b_ddv.to(ddv.dtype.element_ty), mask=m_td)
+            tl.store(p_gk + i_m * s_gkm, b_ddk.to(ddk.dtype.element_ty), mask=m_td)
+            tl.store(p_gv + i_m * s_gvm, b_ddv.to(ddv.dtype.element_ty), mask=m_td)
 
     tl.store(dq + o_row[:, None] * D + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_rd)
 
@@ -527,13 +545,8 @@ def _prepare_mask(attention_mask: torch.Tensor | None, shape: tuple[int, int, in
         add = torch.zeros(attention_mask.shape, dtype=torch.float32, device=ref.device)
         add = add.masked_fill(~attention_mask.to(ref.device), float("-inf"))
     else:
-        add = attention_mask.to(device=ref.device, dtype=torch.float32)
-    try:
-        return torch.broadcast_to(add, shape)
-    except RuntimeError as err:
-        raise ValueError(
-            f"attention_mask of shape {tuple(attention_mask.shape)} is not broadcastable to [B, Hq, T, S] = {shape}"
-        ) from err
+        add = attention_mask.detach().to(device=ref.device, dtype=torch.float32)
+    return torch.broadcast_to(add, shape)
 
 
 def _dot_flags(dtype: torch.dtype) -> dict[str, object]:
@@ -565,15 +578,14 @@ def _moda_forward(q, k, v, depth_k, depth_v, mask, scale, causal, blocks):
     return o, lse
 
 
-def _moda_backward(do, q, k, v, depth_k, depth_v, mask, o, lse, scale, causal, blocks):
+def _moda_backward(do, q, k, v, depth_k, depth_v, mask, o, lse, scale, causal, blocks, sequence_kv=True):
+    """The five gradients; ``sequence_kv=False`` skips the sequence dK / dV kernel (returns None for them)."""
     B, Hq, T, D = q.shape
     Hkv, S, M = k.shape[1], k.shape[2], depth_k.shape[3]
     G = Hq // Hkv
     do = do.contiguous()
     delta = (do.float() * o.float()).sum(-1)  # [B, Hq, T]
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ddk = torch.empty(depth_k.shape, dtype=depth_k.dtype, device=depth_k.device)
     ddv = torch.empty(depth_v.shape, dtype=depth_v.dtype, device=depth_v.device)
     common = dict(CAUSAL=causal, HAS_MASK=mask is not None, **_dot_flags(q.dtype))
@@ -582,9 +594,14 @@ def _moda_backward(do, q, k, v, depth_k, depth_v, mask, o, lse, scale, causal, b
     _moda_bwd_dq_depth_kernel[grid](
         q, k, v, depth_k if M else q, depth_v if M else q, mask_arg, do, lse, delta, dq,
         ddk if M else dq, ddv if M else dq,
-        *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(), *_mask_strides(mask),
+        *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(),
+        *ddk.stride(), *ddv.stride(), *_mask_strides(mask),
         Hkv, T, S, M, D, G, scale, scale * _LOG2E, **common, **blocks,
     )
+    if not sequence_kv:
+        return dq, None, None, ddk, ddv
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     kv_blocks = {key: blocks[key] for key in ("BLOCK_T", "G_PAD", "BLOCK_S", "BLOCK_D")}
     grid = (triton.cdiv(S, blocks["BLOCK_S"]), B * Hkv)
     _moda_bwd_dkdv_kernel[grid](
@@ -595,22 +612,102 @@ def _moda_backward(do, q, k, v, depth_k, depth_v, mask, o, lse, scale, causal, b
     return dq, dk, dv, ddk, ddv
 
 
+def _check_kernel_dtype(q: torch.Tensor) -> None:
+    if not _HAS_TRITON:
+        raise RuntimeError("the MoDA Triton kernels need Triton, which could not be imported")
+    if q.dtype not in TRITON_MODA_DTYPES:
+        raise ValueError(
+            f"the MoDA Triton kernels take {TRITON_MODA_DTYPES}; got {q.dtype} "
+            "(moda_attention routes other dtypes to the PyTorch path)"
+        )
+
+
+def triton_moda_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    *,
+    block_t: int | None = None,
+    block_s: int | None = None,
+    depth_dot: bool | None = None,
+) -> tuple[torch.Tensor, tuple]:
+    """The kernel forward without autograd: ``(out [B, Hq, T, d], state)`` for :func:`triton_moda_backward`.
+
+    Inputs as in :func:`triton_moda_attention` (validated by the caller; T >= 1), read through their
+    strides; ``state`` = (lse [B, Hq, T] fp32, the prepared fp32 mask or None, the tile sizes).
+    """
+    _check_kernel_dtype(q)
+    B, Hq, T, D = q.shape
+    mask = _prepare_mask(attention_mask, (B, Hq, T, k.shape[2]), q)
+    blocks = _block_sizes(T, Hq // k.shape[1], D, block_t, block_s, depth_dot)
+    o, lse = _moda_forward(q, k, v, depth_k, depth_v, mask, float(scale), bool(causal), blocks)
+    return o, (lse, mask, blocks)
+
+
+def triton_moda_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    out: torch.Tensor,
+    state: tuple,
+    scale: float,
+    causal: bool,
+    sequence_kv: bool = True,
+) -> tuple[torch.Tensor | None, ...]:
+    """The kernel backward: ``(dq, dk, dv, d_depth_k, d_depth_v)`` for ``grad_out`` [B, Hq, T, d].
+
+    ``out`` and ``state`` come from :func:`triton_moda_forward` on the same inputs. Each gradient has its
+    input's shape (depth gradients of a strided view included); dk, dv are None when ``sequence_kv`` is
+    False. No autograd graph is built.
+    """
+    lse, mask, blocks = state
+    return _moda_backward(grad_out, q, k, v, depth_k, depth_v, mask, out, lse, float(scale), bool(causal),
+                          blocks, sequence_kv)
+
+
 class _MoDATritonFunction(torch.autograd.Function):
+    """Autograd around the kernels. A backward with ``create_graph=True`` (second-order gradients) is
+    computed by recomputing the output with ``second_order`` (a twice-differentiable implementation of
+    the same op, given by the caller) and differentiating it; without one it raises."""
+
     @staticmethod
-    def forward(ctx, q, k, v, depth_k, depth_v, mask, scale, causal, blocks):
-        o, lse = _moda_forward(q, k, v, depth_k, depth_v, mask, scale, causal, blocks)
-        ctx.save_for_backward(q, k, v, depth_k, depth_v, o, lse)
-        ctx.mask = mask
-        ctx.scale, ctx.causal, ctx.blocks = scale, causal, blocks
+    def forward(ctx, q, k, v, depth_k, depth_v, attention_mask, scale, causal, blocks, second_order):
+        o, state = triton_moda_forward(q, k, v, depth_k, depth_v, attention_mask, scale, causal, **blocks)
+        ctx.save_for_backward(q, k, v, depth_k, depth_v, o)
+        ctx.state, ctx.attention_mask = state, attention_mask
+        ctx.scale, ctx.causal, ctx.second_order = scale, causal, second_order
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, depth_k, depth_v, o, lse = ctx.saved_tensors
-        dq, dk, dv, ddk, ddv = _moda_backward(
-            do, q, k, v, depth_k, depth_v, ctx.mask, o, lse, ctx.scale, ctx.causal, ctx.blocks
-        )
-        return dq, dk, dv, ddk, ddv, None, None, None, None
+        q, k, v, depth_k, depth_v, o = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:5]
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must themselves be differentiable
+            if ctx.second_order is None:
+                raise RuntimeError(
+                    "triton_moda_attention does not support second-order gradients (create_graph=True); "
+                    "call moda_attention(..., backend='triton'), which recomputes them with the PyTorch path, "
+                    "or use backend='torch' / 'reference'"
+                )
+            inputs = (q, k, v, depth_k, depth_v)
+            out = ctx.second_order(*inputs, ctx.attention_mask, ctx.scale, ctx.causal)
+            wanted = [x for x, need in zip(inputs, needs) if need]
+            grads = iter(torch.autograd.grad(out, wanted, do, create_graph=True, allow_unused=True))
+            result = [next(grads) if need else None for need in needs]
+            result = [torch.zeros_like(x) if need and g is None else g for x, need, g in zip(inputs, needs, result)]
+        else:
+            result = triton_moda_backward(do, q, k, v, depth_k, depth_v, o, ctx.state, ctx.scale, ctx.causal,
+                                          sequence_kv=needs[1] or needs[2])
+            result = [g if need else None for g, need in zip(result, needs)]
+        return (*result, None, None, None, None, None)
 
 
 def triton_moda_attention(
@@ -626,13 +723,19 @@ def triton_moda_attention(
     block_t: int | None = None,
     block_s: int | None = None,
     depth_dot: bool | None = None,
+    second_order=None,
 ) -> torch.Tensor:
     """MoDA attention through the fused Triton kernels; differentiable in q, k, v, depth_k, depth_v.
+
+    The kernel entry point: inputs are NOT validated here (``moda_attention`` validates them and routes
+    what the kernel cannot compute, such as float64 or a mask that needs a gradient, to the PyTorch path).
 
     Args:
         q: [B, Hq, T, d] queries (fp16 / bf16 / fp32); query i sits at sequence position S - T + i.
         k, v: [B, Hkv, S, d] sequence keys / values, S >= T, Hq a multiple of Hkv.
-        depth_k, depth_v: [B, Hkv, T, M, d] each token's own depth entries (M may be 0).
+        depth_k, depth_v: [B, Hkv, T, M, d] each token's own depth entries (M may be 0); any strides, e.g.
+            a slice ``buffer[:, :, :, lo:hi]`` of a larger token-major buffer. Their gradients have
+            the same shape.
         attention_mask: bool (True = attend) or additive float, broadcastable to [B, Hq, T, S];
             sequence pool only; any broadcastable shape is read through strides. Not differentiated.
         scale: softmax scale, default 1 / sqrt(d).
@@ -641,44 +744,22 @@ def triton_moda_attention(
             tests use them to exercise multi-block paths at small sizes.
         depth_dot: force the depth phase's form (tensor-core block-diagonal dots or per-entry row
             dots); default by block size, see ``_block_sizes``.
+        second_order: None, or a twice-differentiable function with this op's positional signature
+            ``(q, k, v, depth_k, depth_v, attention_mask, scale, causal)`` used to compute
+            second-order gradients; with None a backward with ``create_graph=True`` raises RuntimeError.
 
     Returns:
         [B, Hq, T, d] in q's dtype; rows with no visible key (M = 0, all keys masked) are zeros.
 
-    The kernel covers fp16 / bf16 / fp32 and every mask shape the contract allows; other dtypes
-    (float64) are computed by the vectorised PyTorch path (``moda_attention.moda_torch``).
+    Raises:
+        ValueError: for a dtype other than fp16 / bf16 / fp32. RuntimeError: without Triton.
     """
-    if not _HAS_TRITON:
-        raise RuntimeError("triton_moda_attention needs Triton, which could not be imported")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or depth_k.dim() != 5 or depth_v.dim() != 5:
-        raise ValueError(
-            "expected q [B, Hq, T, d], k/v [B, Hkv, S, d], depth_k/depth_v [B, Hkv, T, M, d]; got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(depth_k.shape)}, {tuple(depth_v.shape)}"
-        )
-    B, Hq, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    M = depth_k.shape[3]
-    if (k.shape != (B, Hkv, S, D) or v.shape != k.shape or depth_k.shape != (B, Hkv, T, M, D)
-            or depth_v.shape != depth_k.shape or Hkv == 0 or Hq % Hkv != 0 or S < T):
-        raise ValueError(
-            "inconsistent shapes: q [B, Hq, T, d], k/v [B, Hkv, S, d] with S >= T and Hq % Hkv == 0, "
-            f"depth_k/depth_v [B, Hkv, T, M, d]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}, depth_k {tuple(depth_k.shape)}, depth_v {tuple(depth_v.shape)}"
-        )
+    _check_kernel_dtype(q)
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tensors = (q, k, v, depth_k, depth_v)
-    if any(t.dtype != q.dtype for t in tensors):
-        raise ValueError(f"q, k, v, depth_k, depth_v must share one dtype; got {[t.dtype for t in tensors]}")
-    if any(t.device != q.device for t in tensors):
-        raise ValueError("q, k, v, depth_k, depth_v must be on one device")
-    scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    if q.dtype not in _SUPPORTED_DTYPES:
-        # float64 (gradcheck): the tensor-core kernel has no such path; the vectorised PyTorch op is exact.
-        from .moda_attention import moda_torch
-
-        return moda_torch(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
-    if B * Hq * T == 0:
+    if q.shape[0] * q.shape[1] * q.shape[2] == 0:
         # Nothing to attend from; zeros that stay connected to every input (zero gradients).
         return q.new_zeros(q.shape) + 0 * sum(t.sum() for t in tensors)
-    mask = _prepare_mask(attention_mask, (B, Hq, T, S), q)
-    blocks = _block_sizes(T, Hq // Hkv, D, block_t, block_s, depth_dot)
-    return _MoDATritonFunction.apply(q, k, v, depth_k, depth_v, mask, scale, bool(causal), blocks)
+    blocks = {"block_t": block_t, "block_s": block_s, "depth_dot": depth_dot}
+    return _MoDATritonFunction.apply(q, k, v, depth_k, depth_v, attention_mask, scale, bool(causal), blocks,
+                                     second_order)
