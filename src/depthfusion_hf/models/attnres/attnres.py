@@ -37,9 +37,13 @@ from collections.abc import Sequence
 import torch
 
 try:  # Triton is optional: the model loads and runs without it.
+    from .attnres_triton import MAX_DIM as TRITON_MAX_DIM
+    from .attnres_triton import SUPPORTED_DTYPES as TRITON_DTYPES
     from .attnres_triton import attnres_triton_available, triton_attention_residual
 except Exception:  # pragma: no cover - depends on the environment
     triton_attention_residual = None
+    TRITON_DTYPES = ()
+    TRITON_MAX_DIM = 0
 
     def attnres_triton_available() -> bool:
         """Triton could not be imported: the fused kernel is unavailable."""
@@ -51,9 +55,6 @@ BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
 
 # Per-source element count at or below which the torch backend stacks the sources (decoding steps).
 SMALL_NUMEL = 1 << 14
-
-# Dtypes the Triton kernel computes (in fp32); float64 inputs are routed to the torch backend.
-TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -313,8 +314,12 @@ def attnres_torch(
 
 
 def _route(backend: str, sources: Sequence[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor) -> str:
-    """The one place that sends inputs a kernel cannot compute elsewhere: float64 work leaves Triton for torch."""
-    if backend == "triton" and compute_dtype(sources[0].dtype, query, key_norm_weight) not in TRITON_DTYPES:
+    """The one place that sends inputs a kernel cannot compute elsewhere: float64 work (or D > the kernel's
+    ``MAX_DIM``) leaves Triton for torch."""
+    if backend == "triton" and (
+        compute_dtype(sources[0].dtype, query, key_norm_weight) not in TRITON_DTYPES
+        or sources[0].shape[-1] > TRITON_MAX_DIM
+    ):
         return "torch"
     return backend
 
