@@ -28,9 +28,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from depthfusion_hf.data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer
-from depthfusion_hf.plotting import plot_dwa_heatmap, plot_per_layer
+from depthfusion_hf.families import FAMILIES, causal_lm_families
 from depthfusion_hf.recipes.clm import (
+    BASELINE,
     TrainSettings,
+    add_family_options,
     baseline_arch,
     build_config,
     build_model,
@@ -39,6 +41,7 @@ from depthfusion_hf.recipes.clm import (
     is_main_process,
     load_arch,
     results_table,
+    run_name,
     sharded_training,
     train_one,
 )
@@ -49,17 +52,12 @@ REPO = Path(__file__).resolve().parent.parent
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line arguments (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["denseformer", "moda"], default="denseformer",
+    p.add_argument("--model", choices=causal_lm_families(), default="denseformer",
                    help="the depth-fusion family to train")
     p.add_argument("--no_baseline", action="store_true", help="skip the same-depth Llama baseline")
     p.add_argument("--config", default=str(REPO / "configs" / "clm_small.json"),
                    help="model config JSON (Llama-style fields)")
     p.add_argument("--init_from", default=None, help="upcycle this Llama checkpoint (folder or Hub id)")
-    p.add_argument("--dwa_dilation", type=int, default=1, help="DenseFormer k")
-    p.add_argument("--dwa_period", type=int, default=1, help="DenseFormer p")
-    p.add_argument("--moda_ffn_kv", action=argparse.BooleanOptionalAction, default=True,
-                   help="MoDA FFN-side depth KV projection")
-    p.add_argument("--norm_position", choices=["pre", "post"], default="pre", help="MoDA norm placement")
     p.add_argument("--dataset", default="kjv", help="'kjv' (built-in) or a Hub dataset id (online)")
     p.add_argument("--dataset_config", default=None, help="Hub dataset configuration name")
     p.add_argument("--text_column", default="text")
@@ -89,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.distributed backend under torchrun / accelerate launch (default: the Trainer's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="outputs/clm")
+    add_family_options(p)  # each family's own options (--dwa_dilation, --moda_ffn_kv, ...), from the registry
     args = p.parse_args(argv)
     if args.max_steps < 1:
         p.error(f"--max_steps must be >= 1; got {args.max_steps}")
@@ -126,8 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     arch = load_arch(args.config)
     kwargs = family_kwargs(args.model, args)
-    if args.init_from is None:
-        build_config(args.model, arch, **kwargs)  # fail on a bad config before the data work
+    # The run's one config, built before the data work so that a bad one fails fast.
+    config = build_config(args.model, arch, **kwargs) if args.init_from is None else None
     tokenizer, train, val = prepare_data(args)
     print(f"data: {len(train)} training blocks, {len(val)} validation blocks of {args.block_size} tokens; "
           f"vocabulary {len(tokenizer)}", flush=True)
@@ -139,7 +138,6 @@ def main(argv: list[str] | None = None) -> dict:
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         gradient_checkpointing=args.gradient_checkpointing, bf16=args.bf16, ddp_backend=args.ddp_backend,
     )
-    name = args.model + (f" {args.dwa_dilation}x{args.dwa_period}" if args.model == "denseformer" else "")
     resume = args.resume_from_checkpoint
     resume = True if resume == "latest" else resume
     # Under torchrun / accelerate launch every rank trains; only the main process writes plots and results
@@ -147,27 +145,22 @@ def main(argv: list[str] | None = None) -> dict:
     main_process = is_main_process()
 
     set_seed(args.seed)
-    model = build_model(args.model, arch, tokenizer, init_from=args.init_from, **kwargs)
+    model = build_model(args.model, tokenizer=tokenizer, init_from=args.init_from, config=config, **kwargs)
+    name = run_name(model.config)
     runs = [train_one(name, model, train, val, out / args.model, settings, tokenizer, resume)]
-    # Under FSDP / DeepSpeed the in-memory parameters may be shards: plot from the saved (gathered) model.
-    trained = model
-    if main_process and sharded_training():
-        trained = AutoModelForCausalLM.from_pretrained(out / args.model / "final")
-    if args.model == "denseformer" and main_process:
-        heatmap = plot_dwa_heatmap(trained.dwa_weights(), out / "dwa_weights.png",
-                                   title=f"learned DWA weights ({name}, {args.max_steps} steps)")
-        print(f"DWA heatmap: {heatmap}")
-    if hasattr(trained, "depth_attention_share") and main_process:
-        share = trained.depth_attention_share(torch.tensor(val[0]["input_ids"])[None].to(trained.device))
-        plot_per_layer(share, out / "moda_depth_share.png", "attention mass on depth entries",
-                       "MoDA: share of attention on depth KVs per layer")
+    plot = FAMILIES[args.model].analysis_plot
+    if plot is not None and main_process:
+        # Under FSDP / DeepSpeed the in-memory parameters may be shards: plot from the saved (gathered) model.
+        trained = AutoModelForCausalLM.from_pretrained(out / args.model / "final") if sharded_training() else model
+        figure = plot(trained, out, torch.tensor(val[0]["input_ids"])[None], f"{name}, {args.max_steps} steps")
+        print(f"{FAMILIES[args.model].title} analysis plot: {figure}")
     if not args.no_baseline:
         set_seed(args.seed)
         base_arch = baseline_arch(model)
-        baseline = build_model("llama", base_arch, tokenizer, init_from=args.init_from)
+        baseline = build_model(BASELINE, base_arch, tokenizer, init_from=args.init_from)
         # "latest" also resumes the baseline when the interrupted job had reached it.
-        base_resume = resume is True and get_last_checkpoint(out / "llama") is not None
-        runs.append(train_one("llama (baseline)", baseline, train, val, out / "llama", settings, tokenizer,
+        base_resume = resume is True and get_last_checkpoint(out / BASELINE) is not None
+        runs.append(train_one(f"{BASELINE} (baseline)", baseline, train, val, out / BASELINE, settings, tokenizer,
                               base_resume or None))
 
     table = results_table(runs)

@@ -1,11 +1,13 @@
 """depthfusion-hf: DenseFormer, MoDA and DWAtt as Hugging Face model families.
 
-Importing the package registers every model type with ``AutoConfig``, ``AutoModel`` and the task
-auto classes, so ``AutoModelForCausalLM.from_pretrained(folder)`` works without remote code.
+Importing the package registers every model type of the family registry (:mod:`depthfusion_hf.families`)
+with ``AutoConfig``, ``AutoModel`` and the task auto classes, so ``AutoModelForCausalLM.from_pretrained(folder)``
+works without remote code.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModel
 
+from .families import FAMILIES, Family, get_family
 from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
 from .models.dwatt import DWAttConfig, DWAttForTokenClassification
 from .models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
@@ -13,20 +15,20 @@ from .models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
 __version__ = "0.1.0"
 
 
-def _register(config_cls, base_cls, task_auto, task_cls) -> None:
-    AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
-    AutoModel.register(config_cls, base_cls, exist_ok=True)
-    if task_auto is not None:
-        task_auto.register(config_cls, task_cls, exist_ok=True)
+def _register(family: Family) -> None:
+    AutoConfig.register(family.model_type, family.config_class, exist_ok=True)
+    if family.base_model_class is not None:  # DWAtt has none: its encoder is a transformers model
+        AutoModel.register(family.config_class, family.base_model_class, exist_ok=True)
+    family.task_auto_class.register(family.config_class, family.task_model_class, exist_ok=True)
 
 
-_register(DenseFormerConfig, DenseFormerModel, AutoModelForCausalLM, DenseFormerForCausalLM)
-_register(MoDAConfig, MoDAModel, AutoModelForCausalLM, MoDAForCausalLM)
-# DWAtt has no base model of its own (the encoder is a transformers model), so no AutoModel entry.
-AutoConfig.register(DWAttConfig.model_type, DWAttConfig, exist_ok=True)
-AutoModelForTokenClassification.register(DWAttConfig, DWAttForTokenClassification, exist_ok=True)
+for _family in FAMILIES.values():
+    _register(_family)
 
 __all__ = [
+    "FAMILIES",
+    "Family",
+    "get_family",
     "DenseFormerConfig",
     "DenseFormerForCausalLM",
     "DenseFormerModel",

@@ -26,11 +26,13 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-# model_type -> (task auto class, base model class name or None)
+from .families import FAMILIES, get_family
+
+# model_type -> (task auto class name, base model class name or None), read from the family registry
 AUTO_CLASSES: dict[str, tuple[str, str | None]] = {
-    "denseformer": ("AutoModelForCausalLM", "DenseFormerModel"),
-    "moda": ("AutoModelForCausalLM", "MoDAModel"),
-    "dwatt": ("AutoModelForTokenClassification", None),
+    name: (family.task_auto_class.__name__,
+           family.base_model_class.__name__ if family.base_model_class is not None else None)
+    for name, family in FAMILIES.items()
 }
 
 
@@ -136,14 +138,10 @@ def save_remote_code_folder(
 # Complete Hub folders: checks, model cards, upload
 # ---------------------------------------------------------------------------------------------------
 
-PIPELINE_TAGS: dict[str, str] = {
-    "denseformer": "text-generation",
-    "moda": "text-generation",
-    "dwatt": "token-classification",
-}
+PIPELINE_TAGS: dict[str, str] = {name: family.pipeline_tag for name, family in FAMILIES.items()}
 # The dataset id put in a card's metadata when the caller names none: the data of the reference runs
 # (``scripts/train_clm.py --dataset kjv``, ``scripts/train_ner_fewshot.py`` on WNUT-16).
-DEFAULT_DATASETS: dict[str, str] = {"denseformer": "kjv", "moda": "kjv", "dwatt": "wnut_16"}
+DEFAULT_DATASETS: dict[str, str] = {name: family.default_dataset for name, family in FAMILIES.items()}
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model")
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.([A-Za-z_][A-Za-z0-9_]*)\s+import\s", re.MULTILINE)
@@ -276,85 +274,43 @@ def model_card_values(model: PreTrainedModel, repo_id: str, dataset: str | None 
     ``backbone_name``, ``fusion``, ``num_labels``, ``labels``, ``num_states``, ``fusion_num_params``,
     ``depth_embedding_size``, ``bottleneck_ratio``.
     """
-    config = model.config
-    model_type = config.model_type
-    if model_type not in AUTO_CLASSES:
-        raise ValueError(f"model_type must be one of {sorted(AUTO_CLASSES)}; got {model_type!r}")
+    family = get_family(model.config.model_type)
     params = sum(p.numel() for p in model.parameters())
     values: dict[str, Any] = {
         "repo_id": repo_id,
-        "model_type": model_type,
+        "model_type": family.model_type,
         "architecture": type(model).__name__,
         "num_parameters": _human(params),
         "num_parameters_exact": f"{params:,}",
-        "dataset": dataset or DEFAULT_DATASETS[model_type],
+        "dataset": dataset or family.default_dataset,
     }
-    if model_type in ("denseformer", "moda"):
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        values.update(
-            num_hidden_layers=config.num_hidden_layers,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads,
-            head_dim=head_dim,
-            vocab_size=config.vocab_size,
-            max_position_embeddings=config.max_position_embeddings,
-        )
-    if model_type == "denseformer":
-        values.update(
-            dwa_dilation=config.dwa_dilation,
-            dwa_period=config.dwa_period,
-            num_dwa_weights=model.model.dwa.alphas.numel(),
-            dwa_weights_shape=f"[{config.num_hidden_layers}, {config.num_hidden_layers + 1}]",
-        )
-    elif model_type == "moda":
-        layers = config.num_hidden_layers
-        values.update(
-            moda_ffn_kv=config.moda_ffn_kv,
-            norm_position=config.norm_position,
-            max_depth_entries=(2 if config.moda_ffn_kv else 1) * (layers - 1),
-            depth_entries_note=(
-                "each earlier layer's attention K/V plus one FFN-side K/V pair projected from its FFN input"
-                if config.moda_ffn_kv else "each earlier layer's attention K/V, reused without new parameters"
-            ),
-        )
-    elif model_type == "dwatt":
-        backbone = config.backbone_config
-        labels = [config.id2label[i] for i in sorted(config.id2label)]
-        values.update(
-            backbone_model_type=backbone.model_type,
-            backbone_name=getattr(backbone, "_name_or_path", "") or backbone.model_type,
-            num_hidden_layers=backbone.num_hidden_layers,
-            hidden_size=backbone.hidden_size,
-            fusion=config.fusion,
-            num_labels=config.num_labels,
-            labels=", ".join(f"`{label}`" for label in labels),
-            num_states=config.num_states,
-            fusion_num_params=f"{config.fusion_num_params():,}",
-            depth_embedding_size=config.depth_embedding_size,
-            bottleneck_ratio=config.bottleneck_ratio,
-        )
-    return values
+    return values | family.card_values(model)
 
 
 def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str) -> list[dict[str, Any]]:
     """Metric entries for a causal LM from ``scripts/train_clm.py``'s ``results.json`` (path or parsed dict).
 
-    Takes the run of family ``model_type`` and its Llama baseline; returns entries (see
-    :func:`model_index`) for the validation loss and perplexity of the model, with the baseline's numbers
-    kept under ``"baseline"`` for the card's results table.
+    Takes the run whose ``model_type`` is ``model_type`` and the Llama baseline (``model_type`` ``"llama"``);
+    returns entries (see :func:`model_index`) for the validation loss and perplexity of the model, with the
+    baseline's numbers kept under ``"baseline"`` for the card's results table. Runs are matched by the
+    ``model_type`` each run records, never by their display names.
 
     Raises:
-        ValueError: if no run of that family is in the file.
+        ValueError: if a run records no ``model_type`` (a file from an older ``train_clm.py``: add the field
+            or re-run), or no run of that family is in the file.
     """
     data = json.loads(Path(results).read_text()) if not isinstance(results, Mapping) else results
     runs = data.get("runs", [])
-    ours = [run for run in runs if str(run.get("name", "")).split()[0] == model_type]
+    untyped = [run.get("name") for run in runs if not run.get("model_type")]
+    if untyped:
+        raise ValueError(f"runs without a 'model_type' field: {untyped} (results written by an older "
+                         "train_clm.py; add \"model_type\" to each run or train again)")
+    ours = [run for run in runs if run["model_type"] == model_type]
     if not ours:
-        raise ValueError(f"no {model_type!r} run in the results (runs: {[run.get('name') for run in runs]})")
+        raise ValueError(f"no {model_type!r} run in the results (runs: "
+                         f"{[(run.get('name'), run['model_type']) for run in runs]})")
     run = ours[0]
-    baseline = next((r for r in runs if str(r.get("name", "")).startswith("llama")), None)
+    baseline = next((r for r in runs if r["model_type"] == "llama"), None)
     args = data.get("args", {})
     dataset = args.get("dataset") or "local files"
     dataset_name = "King James Bible, held-out chapters" if dataset == "kjv" else f"{dataset} (validation split)"
@@ -443,7 +399,7 @@ def build_model_card(
         FileNotFoundError: if the template is missing. ValueError: if a placeholder has no value.
     """
     template_dir = Path(template_dir) if template_dir is not None else default_model_cards_dir()
-    template_path = template_dir / f"{model.config.model_type}.md"
+    template_path = template_dir / get_family(model.config.model_type).card_template
     if not template_path.is_file():
         raise FileNotFoundError(f"model card template not found: {template_path}")
     if not trained and results:

@@ -1,4 +1,5 @@
-"""Figures: the learned DWA weight matrix (as in the DenseFormer paper's Figure 5) and per-layer curves."""
+"""Figures: the learned DWA weight matrix (as in the DenseFormer paper's Figure 5), per-layer bars, the main
+job's per-family analysis plots (named in the family registry) and the few-shot NER F1 curves."""
 
 from __future__ import annotations
 
@@ -66,4 +67,62 @@ def plot_per_layer(values: Sequence[float], path: str | Path, ylabel: str, title
     return path
 
 
-__all__ = ["plot_dwa_heatmap", "plot_per_layer"]
+def plot_denseformer_analysis(model, out_dir: str | Path, sample_ids: torch.Tensor, label: str) -> Path:
+    """The main job's DenseFormer figure: the learned DWA weights as ``out_dir/dwa_weights.png``.
+
+    Args:
+        model: a trained ``DenseFormerForCausalLM``.
+        out_dir: the run's output folder.
+        sample_ids: [1, T] token ids (unused: the weights do not depend on the input).
+        label: the run, e.g. ``"denseformer 2x2, 500 steps"``, shown in the title.
+    """
+    return plot_dwa_heatmap(model.dwa_weights(), Path(out_dir) / "dwa_weights.png",
+                            title=f"learned DWA weights ({label})")
+
+
+def plot_moda_analysis(model, out_dir: str | Path, sample_ids: torch.Tensor, label: str) -> Path:
+    """The main job's MoDA figure: each layer's attention mass on depth entries, ``out_dir/moda_depth_share.png``.
+
+    Args:
+        model: a trained ``MoDAForCausalLM``.
+        out_dir: the run's output folder.
+        sample_ids: [1, T] token ids of one validation sequence, on which the share is measured.
+        label: the run (unused; the title names the family).
+    """
+    share = model.depth_attention_share(sample_ids.to(model.device))
+    return plot_per_layer(share, Path(out_dir) / "moda_depth_share.png", "attention mass on depth entries",
+                          "MoDA: share of attention on depth KVs per layer")
+
+
+def plot_f1_vs_size(rows: Sequence[dict], fusions: Sequence[str], path: str | Path, title: str) -> Path:
+    """Few-shot NER: test F1 (mean ± std over seeds) against the mean number of training sentences, one line
+    per fusion method. ``rows`` are the summary rows of ``recipes.ner.summarise``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for fusion in fusions:
+        mine = sorted((r for r in rows if r["fusion"] == fusion), key=lambda r: r["train_sentences"])
+        if mine:
+            ax.errorbar([r["train_sentences"] for r in mine], [r["f1_mean"] for r in mine],
+                        yerr=[r["f1_std"] for r in mine], marker="o", capsize=3, label=fusion)
+    labelled = sorted({(r["train_sentences"], r["size"]) for r in rows})
+    ax.set_xscale("log")
+    ax.set_xticks([x for x, _ in labelled], [f"{label}\n({x:.0f})" for x, label in labelled])
+    ax.minorticks_off()
+    ax.set_xlabel("training size (mean training sentences)")
+    ax.set_ylabel("test entity F1 (seqeval)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["plot_denseformer_analysis", "plot_dwa_heatmap", "plot_f1_vs_size", "plot_moda_analysis", "plot_per_layer"]

@@ -37,8 +37,10 @@ def trained(tmp_path):
     out = tmp_path / "outputs" / "clm"
     save_remote_code_folder(model, out / "denseformer" / "final", tokenizer=tokenizer)
     results = {"args": {"dataset": "kjv"}, "settings": {"max_steps": 300},
-               "runs": [{"name": "denseformer 2x2", "eval_loss": 4.25, "perplexity": 70.1054},
-                        {"name": "llama (baseline)", "eval_loss": 4.5, "perplexity": 90.0171}]}
+               "runs": [{"name": "denseformer 2x2", "model_type": "denseformer", "eval_loss": 4.25,
+                         "perplexity": 70.1054},
+                        {"name": "llama (baseline)", "model_type": "llama", "eval_loss": 4.5,
+                         "perplexity": 90.0171}]}
     (out / "results.json").write_text(json.dumps(results))
     return out, model
 

@@ -56,6 +56,7 @@ def test_main_job_trains_both_models_and_writes_everything(tmp_path):
     ])
     names = [r["name"] for r in results["runs"]]
     assert names == ["denseformer 2x2", "llama (baseline)"]
+    assert [r["model_type"] for r in results["runs"]] == ["denseformer", "llama"]  # what clm_results reads
     for run in results["runs"]:
         assert 0 < run["eval_loss"] < 7 and run["tokens_per_second"] > 0
     dense, llama = results["runs"]

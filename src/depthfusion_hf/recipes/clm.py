@@ -14,15 +14,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer, TrainingArguments
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Trainer,
+    TrainingArguments,
+)
 from transformers.trainer_utils import get_last_checkpoint as _last_checkpoint
-
-import depthfusion_hf
 
 from ..convert import llama_config_fields, load_llama
 from ..export import save_remote_code_folder
+from ..families import FAMILIES, Family, causal_lm_families
 
-MODEL_KINDS = ("denseformer", "moda", "llama")
+# The plain baseline every causal-LM family is compared with (not a registry family: transformers' own).
+BASELINE = "llama"
+MODEL_KINDS = causal_lm_families() + (BASELINE,)
 ARCH_EXCLUDE = ("_comment", "model_type")
 
 
@@ -35,60 +43,82 @@ def load_arch(path: str | Path) -> dict:
     return {k: v for k, v in arch.items() if k not in ARCH_EXCLUDE}
 
 
+def _family(kind: str) -> Family | None:
+    """The registry entry of a causal-LM ``kind``; ``None`` for the Llama baseline."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind must be one of {MODEL_KINDS}; got {kind!r}")
+    return None if kind == BASELINE else FAMILIES[kind]
+
+
+def add_family_options(parser) -> None:
+    """Add every causal-LM family's command-line options (from the registry) to ``parser``."""
+    for kind in causal_lm_families():
+        if FAMILIES[kind].add_cli_options is not None:
+            FAMILIES[kind].add_cli_options(parser)
+
+
 def family_kwargs(kind: str, args) -> dict:
-    """The family-specific config fields for ``kind`` taken from parsed CLI arguments."""
-    if kind == "denseformer":
-        return {"dwa_dilation": args.dwa_dilation, "dwa_period": args.dwa_period}
-    if kind == "moda":
-        return {"moda_ffn_kv": args.moda_ffn_kv, "norm_position": args.norm_position}
-    return {}
+    """The family-specific config fields for ``kind`` taken from parsed CLI arguments (none for the baseline)."""
+    family = _family(kind)
+    if family is None or family.config_kwargs is None:
+        return {}
+    return family.config_kwargs(args)
 
 
-def build_model(kind: str, arch: dict, tokenizer=None, init_from: str | None = None, **kwargs) -> PreTrainedModel:
-    """Build a fresh model of ``kind`` (``denseformer``, ``moda`` or ``llama``) from architecture fields.
+def tokenizer_fields(tokenizer) -> dict:
+    """The config fields a tokenizer fixes: vocabulary size and the bos/eos/pad token ids."""
+    return dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def build_model(
+    kind: str,
+    arch: dict | None = None,
+    tokenizer=None,
+    init_from: str | None = None,
+    config: PretrainedConfig | None = None,
+    **kwargs,
+) -> PreTrainedModel:
+    """Build a fresh model of ``kind`` (a causal-LM family of the registry, or ``llama``).
 
     Args:
         kind: the model family.
-        arch: Llama-style config fields (hidden_size, num_hidden_layers, ...).
+        arch: Llama-style config fields (hidden_size, num_hidden_layers, ...); ignored when ``config`` is given.
         tokenizer: when given, sets vocab size and the bos/eos/pad token ids.
         init_from: a Llama checkpoint (folder or Hub id) to upcycle instead of a random init;
-            ``arch`` is then ignored.
+            ``arch`` and ``config`` are then ignored.
+        config: an already built (and validated) config of ``kind``, e.g. from :func:`build_config`, so that
+            a run builds its config once.
         kwargs: family fields (``dwa_dilation``, ``moda_ffn_kv``, ...).
     """
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"model kind must be one of {MODEL_KINDS}; got {kind!r}")
+    family = _family(kind)
     if init_from is not None:
         llama = load_llama(init_from)
-        if kind == "llama":
+        if family is None:
             return llama
-        if kind == "denseformer":
-            return depthfusion_hf.convert.llama_to_denseformer(llama, **kwargs)
-        return depthfusion_hf.convert.llama_to_moda(llama, **kwargs)
-    fields = dict(arch)
-    if tokenizer is not None:
-        fields.update(
-            vocab_size=len(tokenizer),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    config = build_config(kind, fields, **kwargs)
-    if kind == "llama":
-        return LlamaForCausalLM(config)
-    if kind == "denseformer":
-        return depthfusion_hf.DenseFormerForCausalLM(config)
-    return depthfusion_hf.MoDAForCausalLM(config)
+        if family.from_llama is None:
+            raise ValueError(f"{kind} has no Llama upcycling; build it without init_from")
+        return family.from_llama(llama, **kwargs)
+    extra = tokenizer_fields(tokenizer) if tokenizer is not None else {}
+    if config is None:
+        config = build_config(kind, dict(arch or {}) | extra, **kwargs)
+    for key, value in extra.items():  # a config built before the tokenizer existed
+        setattr(config, key, value)
+    return LlamaForCausalLM(config) if family is None else family.task_model_class(config)
 
 
-def build_config(kind: str, fields: dict, **kwargs):
+def build_config(kind: str, fields: dict, **kwargs) -> PretrainedConfig:
     """The config of ``kind`` from Llama-style ``fields`` plus family fields; validates them (ValueError)."""
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"model kind must be one of {MODEL_KINDS}; got {kind!r}")
-    if kind == "llama":
+    family = _family(kind)
+    if family is None:
         return LlamaConfig(**fields)
-    if kind == "denseformer":
-        return depthfusion_hf.DenseFormerConfig(**fields, **kwargs)
-    return depthfusion_hf.MoDAConfig(**fields, **kwargs)
+    return family.config_class(**fields, **kwargs)
+
+
+def run_name(config: PretrainedConfig) -> str:
+    """The display name of a run's model in results tables: the family's variant name, or ``"llama"``."""
+    family = FAMILIES.get(config.model_type)
+    return family.variant_name(config) if family is not None else config.model_type
 
 
 def baseline_arch(model: PreTrainedModel) -> dict:
@@ -186,9 +216,10 @@ def get_last_checkpoint(output_dir: str | Path) -> str | None:
 
 @dataclass
 class RunResult:
-    """What one training run measured."""
+    """What one training run measured (``model_type`` names the family, ``"llama"`` for the baseline)."""
 
     name: str
+    model_type: str
     parameters: int
     eval_loss: float
     train_loss: float
@@ -234,6 +265,7 @@ def train_one(
             save_remote_code_folder(to_save, final, tokenizer=tokenizer)
     return RunResult(
         name=name,
+        model_type=model.config.model_type,
         # DeepSpeed ZeRO-3 leaves empty local partitions; `ds_numel` is the full size.
         parameters=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
         eval_loss=float(metrics["eval_loss"]),
