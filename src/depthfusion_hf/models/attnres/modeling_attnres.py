@@ -1,0 +1,482 @@
+"""AttnRes: a Llama decoder whose residual sums are Attention Residuals (Kimi Team, arXiv 2603.15031).
+
+Sub-layers l = 1..2L (each attention and each MLP) write outputs v_l; v_0 = the token embedding. A
+pre-norm Llama feeds sub-layer l with h_l = v_0 + sum_{i<l} v_i. AttnRes replaces that sum, per token:
+
+    h_l = sum_i alpha_{i,l} s_i,   alpha_{:,l} = softmax_i( w_l . RMSNorm_l(s_i) )   (fp32 softmax)
+    v_l = f_l(norm_l(h_l))                      (f_l: the Llama attention or MLP, with its own norm)
+    logits = lm_head(norm(h_final)),            h_final: one more AttnRes call over all sources
+
+The sources s_i ("the depth state") are, for *full* AttnRes, v_0..v_{l-1}; for *block* AttnRes with
+blocks of S sub-layers, the block sums b_0 = v_0, b_1, .., b_{n-1} of the finished blocks plus the
+running sum of the current block (when it has started). Full AttnRes is block AttnRes with S = 1, so
+one loop computes both: after sub-layer l the state either appends v_l (l starts a block) or adds v_l
+to its last entry. Only those N + 1 tensors are kept.
+
+Each AttnRes call owns a pseudo-query w (zero at init: a uniform average over the sources) and a key
+RMSNorm weight (ones). Sub-layer 1 reads the single source v_0, so its call is the identity and is not
+materialised; decoder layer i owns the calls that feed its MLP (``mlp_res``) and that form its output
+(``output_res``: the next layer's attention input, or h_final after the last layer). So, as in Llama,
+the output of layer i is the input of layer i + 1.
+
+The attention, MLP, norms and rotary embeddings are transformers' Llama modules under their Llama
+names, so a Llama checkpoint loads by copying weights (``depthfusion_hf.convert.llama_to_attnres``); the
+model is *not* the Llama at that point (uniform averaging is not the residual sum). AttnRes is per token,
+so cached decoding needs only the ordinary KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .attnres import attention_residual, attention_residual_with_backend, resolve_backend
+from .configuration_attnres import AttnResConfig
+
+
+def starts_block(sublayer: int, block_size: int) -> bool:
+    """Whether sub-layer ``sublayer`` (1-based) is the first of its block of ``block_size`` sub-layers."""
+    return (sublayer - 1) % block_size == 0
+
+
+def add_to_depth_state(sources: tuple[torch.Tensor, ...], output: torch.Tensor, new_block: bool):
+    """The depth state after a sub-layer wrote ``output`` [B, T, D]: a new block sum, or the current one grown."""
+    if new_block:
+        return (*sources, output)
+    return (*sources[:-1], sources[-1] + output)
+
+
+def backend_for(backends: dict[torch.device, str] | None, device: torch.device) -> str | None:
+    """The op backend for ``device``, resolved at most once per forward (``backends`` is that forward's cache).
+
+    ``None`` (a layer called outside the model's forward) lets the public op validate and resolve.
+    """
+    if backends is None:
+        return None
+    if device not in backends:
+        backends[device] = resolve_backend(None, device)
+    return backends[device]
+
+
+# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.check_token_inputs
+def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
+    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
+
+    Args:
+        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
+        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+    Raises:
+        ValueError: unless exactly one of the two is given, it has the shape above with at least one
+            token, and (for ids) an integer dtype and every id in range.
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
+    if tensor.dim() != rank:
+        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
+        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
+    if tensor.numel() == 0:
+        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
+    if input_ids is None:
+        return
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
+    if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):  # one device sync, min/max only on error
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
+            f"max {int(input_ids.max())}"
+        )
+
+
+class AttnResMix(nn.Module):
+    """One Attention Residuals call: ``sum_i softmax_i(w . RMSNorm(s_i)) s_i`` over the sources, per token.
+
+    Parameters: ``query`` w [D] (zero at init, so the call starts as a uniform average) and
+    ``key_norm_weight`` [D] (the key RMSNorm's weight, ones at init).
+    """
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.query = nn.Parameter(torch.zeros(hidden_size))
+        self.key_norm_weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(
+        self,
+        sources: tuple[torch.Tensor, ...],
+        backend: str | None = None,
+        weights_out: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Mix ``sources`` (N tensors [B, T, D]) into h [B, T, D].
+
+        Args:
+            backend: a backend already resolved by ``resolve_backend`` (the model resolves once per forward
+                and device); None validates and resolves like the public op.
+            weights_out: when a list, the softmax weights alpha [B, T, N] (float32) are appended to it.
+        """
+        want = weights_out is not None
+        if backend is None:
+            out = attention_residual(self.query, sources, self.key_norm_weight, eps=self.eps, return_weights=want)
+        else:
+            out = attention_residual_with_backend(self.query, sources, self.key_norm_weight, self.eps, want, backend)
+        if not want:
+            return out
+        hidden, alpha = out
+        weights_out.append(alpha)
+        return hidden
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.query.numel()}, eps={self.eps}"
+
+
+class AttnResDecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder block whose two residual sums are AttnRes calls (its Llama weights keep their names).
+
+    Differs from Llama: the block reads the depth state (the AttnRes sources) next to its input, mixes its
+    MLP input (``mlp_res``) and its output (``output_res``) from that state, and returns the state grown
+    by its two sub-layer outputs.
+    """
+
+    def __init__(self, config: AttnResConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.layer_idx = layer_idx
+        block_size = config.effective_block_size
+        self.attn_starts_block = starts_block(2 * layer_idx + 1, block_size)
+        self.mlp_starts_block = starts_block(2 * layer_idx + 2, block_size)
+        self.mlp_res = AttnResMix(config.hidden_size, config.rms_norm_eps)
+        self.output_res = AttnResMix(config.hidden_size, config.rms_norm_eps)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        *sources: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        backends: dict[torch.device, str] | None = None,
+        depth_weights: list[torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the attention and MLP sub-layers.
+
+        Args:
+            hidden_states: h, the attention sub-layer's input [B, T, D] (the previous layer's output).
+            sources: the depth state h was mixed from, each [B, T, D] (positional, so that reentrant
+                gradient checkpointing passes their gradients).
+            backends: the forward's per-device backend cache (see :func:`backend_for`).
+            depth_weights: when a list, each AttnRes call appends its softmax weights [B, T, N].
+        Returns:
+            ``(output, *new_sources)``: the layer output [B, T, D] (the next layer's input, or h_final) and the
+            depth state grown by this layer's two sub-layer outputs.
+        """
+        backend = backend_for(backends, hidden_states.device)
+        attn_out, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        sources = add_to_depth_state(sources, attn_out, self.attn_starts_block)
+        hidden_states = self.mlp_res(sources, backend, depth_weights)  # differs from Llama: residual + attn_out
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        sources = add_to_depth_state(sources, mlp_out, self.mlp_starts_block)
+        hidden_states = self.output_res(sources, backend, depth_weights)  # differs from Llama: residual + mlp_out
+        return (hidden_states, *sources)
+
+
+class AttnResPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and the transformers capabilities shared by AttnRes models."""
+
+    config: AttnResConfig
+    config_class = AttnResConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["AttnResDecoderLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False
+    _can_record_outputs = {
+        "hidden_states": AttnResDecoderLayer,
+        "attentions": LlamaAttention,
+    }
+
+    def __init__(self, config: AttnResConfig, *args, **kwargs):
+        config.check_fields()  # a config mutated after construction is rejected with the construction error
+        super().__init__(config, *args, **kwargs)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, AttnResMix):
+            # The paper's init: zero pseudo-queries (uniform averaging), unit key-norm weights. init.* leaves
+            # parameters loaded from a checkpoint untouched.
+            init.zeros_(module.query)
+            init.ones_(module.key_norm_weight)
+
+
+@dataclass
+class AttnResModelOutputWithPast(BaseModelOutputWithPast):
+    """``BaseModelOutputWithPast`` plus ``depth_weights``: with ``output_depth_weights=True``, one float32
+    tensor [B, T, N_c] per AttnRes call c (sub-layers 2..2L, then the final call), the softmax over its sources.
+    """
+
+    depth_weights: tuple[torch.Tensor, ...] | None = None
+
+
+class AttnResModel(AttnResPreTrainedModel):
+    """The AttnRes decoder stack: embeddings, Llama blocks joined by Attention Residuals, final norm.
+
+    Returns ``AttnResModelOutputWithPast`` whose ``last_hidden_state`` is ``norm(h_final)``: [B, T, D].
+    With ``output_hidden_states=True`` entry 0 is the embedding and entry i the output of layer i (the
+    input of layer i + 1), as for Llama; the last entry is ``last_hidden_state``.
+    """
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_depth_weights: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> AttnResModelOutputWithPast:
+        """Run the decoder.
+
+        Args:
+            input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
+            attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
+            position_ids: [B, T]; by default continue from the cache length.
+            cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
+            use_cache: build a ``DynamicCache`` when none is given.
+            output_depth_weights: also return every AttnRes call's softmax weights (see
+                :class:`AttnResModelOutputWithPast`).
+        """
+        check_token_inputs(input_ids, inputs_embeds, self.config.vocab_size)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
+        # Differs from Llama: the depth state starts as (v_0,); sub-layer 1's AttnRes over it is v_0 itself.
+        sources: tuple[torch.Tensor, ...] = (inputs_embeds,)
+        backends: dict[torch.device, str] = {}  # resolved once per device and forward, not per AttnRes call
+        depth_weights: list[torch.Tensor] | None = [] if output_depth_weights else None
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states, *sources = decoder_layer(
+                hidden_states,
+                *sources,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                backends=backends,
+                depth_weights=depth_weights,
+                **kwargs,
+            )
+
+        hidden_states = self.norm(hidden_states)
+        return AttnResModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            cache=cache,
+            depth_weights=tuple(depth_weights) if depth_weights is not None else None,
+        )
+
+    @torch.no_grad()
+    def depth_attention_weights(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        per_token: bool = False,
+    ) -> torch.Tensor:
+        """Every AttnRes call's softmax over its sources, averaged over the real tokens of a batch.
+
+        Row c is the call feeding sub-layer c + 1 (rows 0..2L-1: sub-layers 1..2L, alternating attention and
+        MLP of layers 1..L) and row 2L is the final call before the final norm. Column i is source i: the
+        embedding (0) and the sub-layer outputs v_i (full AttnRes) or the block sums b_i, the last column
+        of a row being the running sum of the current block (block AttnRes). Row 0 is ``[1, 0, ..]``
+        (sub-layer 1 reads the embedding alone). Entries a call does not have are 0 (softmax weights are
+        positive, so a 0 means "not a source"); every row sums to 1.
+
+        Args:
+            input_ids: [B, T] token ids.
+            attention_mask: [B, T], 1 = a real token; padded positions are left out of the average.
+            per_token: return the weights of every token instead: [B, T, 2L + 1, N_max].
+        Returns:
+            [2L + 1, N_max] float32 (``N_max = 2L + 1`` for full AttnRes, ``N + 1`` with N blocks), or
+            [B, T, 2L + 1, N_max] with ``per_token=True``.
+        """
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}; "
+                             f"got {tuple(attention_mask.shape)}")
+        out = self(input_ids, attention_mask=attention_mask, use_cache=False, output_depth_weights=True)
+        batch, length = input_ids.shape
+        first = out.depth_weights[0].new_ones(batch, length, 1)  # sub-layer 1: all weight on the embedding
+        calls = [first, *out.depth_weights]
+        n_max = max(alpha.shape[-1] for alpha in calls)
+        weights = torch.zeros(batch, length, len(calls), n_max, device=first.device)
+        for c, alpha in enumerate(calls):
+            weights[:, :, c, : alpha.shape[-1]] = alpha.to(first.device)
+        if per_token:
+            return weights
+        mask = torch.ones(batch, length, device=first.device) if attention_mask is None else attention_mask
+        mask = mask.to(device=first.device, dtype=weights.dtype)
+        if mask.sum() == 0:
+            raise ValueError("attention_mask has no real token to average over")
+        return (weights * mask[:, :, None, None]).sum((0, 1)) / mask.sum()
+
+
+class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
+    """AttnRes with a language-modelling head; works with ``generate()`` and the transformers cache.
+
+    Example:
+        >>> from depthfusion_hf import AttnResConfig, AttnResForCausalLM
+        >>> model = AttnResForCausalLM(AttnResConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+        ...     num_attention_heads=4, vocab_size=100, attnres_block_size=2))
+        >>> model.depth_attention_weights(torch.tensor([[5, 6, 7]])).shape  # 2L + 1 calls, N + 1 = 5 sources
+        torch.Size([9, 5])
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__(config)
+        self.model = AttnResModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def depth_attention_weights(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        per_token: bool = False,
+    ) -> torch.Tensor:
+        """See :meth:`AttnResModel.depth_attention_weights`: [2L + 1, N_max] (or per token)."""
+        return self.model.depth_attention_weights(input_ids, attention_mask=attention_mask, per_token=per_token)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        """Next-token logits [B, T, V] (and the shifted cross-entropy loss when ``labels`` [B, T] are given)."""
+        outputs: AttnResModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = [
+    "AttnResDecoderLayer",
+    "AttnResForCausalLM",
+    "AttnResMix",
+    "AttnResModel",
+    "AttnResModelOutputWithPast",
+    "AttnResPreTrainedModel",
+]
