@@ -10,19 +10,60 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedConfig
 
 from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM
 from .models.moda import MoDAConfig, MoDAForCausalLM
 
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+
+
+def _not_a_llama(found: str) -> ValueError:
+    return ValueError(
+        f"expected a Llama checkpoint (LlamaForCausalLM, model_type 'llama'); got {found}. Only Llama "
+        "checkpoints can be converted: their weights are what the converted model reuses"
+    )
+
 
 def load_llama(model_or_path: LlamaForCausalLM | str | os.PathLike, **load_kwargs) -> LlamaForCausalLM:
-    """Return a ``LlamaForCausalLM``: the object itself, or loaded from a folder / Hub id."""
+    """Return a ``LlamaForCausalLM``: the object itself, or loaded from a folder / Hub id.
+
+    A folder is checked before any weight is loaded: its ``config.json`` must say ``model_type: llama``,
+    and every Llama weight must be found in it, so that a non-Llama checkpoint (a BERT, a DenseFormer,
+    a MoDA, ...) or a folder without weights is refused instead of yielding a randomly initialised model.
+
+    Raises:
+        ValueError: ``model_or_path`` is a model other than a ``LlamaForCausalLM`` (names its class and
+            ``model_type``), a folder whose config is not a Llama's (names the ``model_type`` and
+            ``architectures`` found), or a checkpoint that lacks Llama weights (names them).
+        OSError: the folder / Hub id has no ``config.json`` or no weights (from transformers).
+    """
     if isinstance(model_or_path, LlamaForCausalLM):
+        if model_or_path.config.model_type != "llama":
+            raise _not_a_llama(f"a {type(model_or_path).__name__} whose config has model_type "
+                               f"{model_or_path.config.model_type!r}")
         return model_or_path
     if isinstance(model_or_path, torch.nn.Module):
-        raise ValueError(f"expected a LlamaForCausalLM or a path; got {type(model_or_path).__name__}")
-    return LlamaForCausalLM.from_pretrained(model_or_path, **load_kwargs)
+        model_type = getattr(getattr(model_or_path, "config", None), "model_type", None)
+        raise _not_a_llama(f"a {type(model_or_path).__name__} object (model_type {model_type!r})")
+    if not isinstance(model_or_path, (str, os.PathLike)):
+        raise ValueError(f"expected a LlamaForCausalLM, a folder or a Hub id; got {type(model_or_path).__name__}")
+    hub_kwargs = {key: load_kwargs[key] for key in _HUB_KWARGS if key in load_kwargs}
+    config_dict, _ = PreTrainedConfig.get_config_dict(model_or_path, **hub_kwargs)
+    model_type = config_dict.get("model_type")
+    if model_type != "llama":
+        architectures = config_dict.get("architectures")
+        raise _not_a_llama(f"{os.fspath(model_or_path)!r} holding model_type {model_type!r} "
+                           f"(architectures {architectures})")
+    llama, info = LlamaForCausalLM.from_pretrained(model_or_path, output_loading_info=True, **load_kwargs)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"{os.fspath(model_or_path)!r} has a Llama config but lacks {len(missing)} Llama weight(s) ({shown}); "
+            "converting it would start those from random values"
+        )
+    return llama
 
 
 def llama_config_fields(config: LlamaConfig) -> dict:
