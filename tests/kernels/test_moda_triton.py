@@ -1,6 +1,8 @@
 """The fused Triton MoDA attention against ``moda_attention(..., backend="reference")``.
 
 Values and the gradients of q, k, v, depth_k, depth_v; fp32 and bf16 (fp16 once); T = 1, 7, 15, 33;
+depth entries read and written through strides (slices of a larger buffer); the functional
+forward / backward API; the dispatcher's routing (float64, a mask that needs a gradient); second order;
 d = 16, 24 (not a power of two), 32; M = 0, 1, 5; S > T (decoding); GQA (G = 2, 3) and MHA;
 causal and not; bool padding masks and additive per-head masks; rows with no visible key;
 non-contiguous inputs; default tiles and small tiles (several query / KV / depth blocks, partial
@@ -178,15 +180,137 @@ def test_non_contiguous_inputs():
         assert rel_rms(a, b) < TOL[torch.float32], name
 
 
-def test_dispatch_through_moda_attention_and_float64_fallback():
+def test_dispatch_through_moda_attention_and_float64_routing():
     inputs = make_inputs(1, 4, 2, 7, 9, 2, 16, torch.float32)
     out = moda_attention(*inputs, backend="triton")
-    torch.testing.assert_close(out, moda_attention(*inputs, backend="torch"), rtol=1e-5, atol=1e-5)
-    # float64 has no tensor-core kernel: triton_moda_attention computes it with the PyTorch path.
+    assert rel_rms(out, moda_attention(*inputs, backend="reference")) < TOL[torch.float32]
+    # float64 has no kernel: the dispatcher routes it to the PyTorch path; the kernel entry refuses it.
     inputs64 = [x.detach().double().requires_grad_() for x in inputs]
-    out64 = triton_moda_attention(*inputs64, None, None, True)
+    out64 = moda_attention(*inputs64, backend="triton")
     assert out64.dtype == torch.float64
     torch.testing.assert_close(out64, moda_attention(*inputs64, backend="reference"))
+    with pytest.raises(ValueError, match="float64"):
+        triton_moda_attention(*inputs64, None, None, True)
+
+
+def buffer_slices(B, Hkv, T, d, dtype, lo, hi, m_max=7, seed=11):
+    """depth_k / depth_v as ``buffer[:, :, :, lo:hi]`` of token-major [B, Hkv, T, m_max, d] leaf buffers."""
+    g = torch.Generator().manual_seed(seed)
+    bufs = [torch.randn(B, Hkv, T, m_max, d, generator=g).to(DEVICE, dtype).requires_grad_() for _ in range(2)]
+    return bufs, [b[:, :, :, lo:hi] for b in bufs]
+
+
+@pytest.mark.parametrize("blocks", list(BLOCKS), ids=list(BLOCKS))
+@pytest.mark.parametrize("lo,hi", [(2, 5), (0, 6), (3, 3)], ids=["middle", "prefix", "empty"])
+def test_depth_read_and_written_through_strides(blocks, lo, hi):
+    """Depth entries that are a slice of a larger buffer (not contiguous): values and gradients, the
+    buffer's gradient outside the slice is zero."""
+    B, Hq, Hkv, T, S, d = 2, 4, 2, 7, 9, 24
+    q, k, v, _, _ = make_inputs(B, Hq, Hkv, T, S, 0, d, torch.float32)
+    bufs, (dk, dv) = buffer_slices(B, Hkv, T, d, torch.float32, lo, hi)
+    assert hi == lo or not dk.is_contiguous()
+    out = triton_moda_attention(q, k, v, dk, dv, None, None, True, **BLOCKS[blocks])
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    got = torch.autograd.grad(out, (q, k, v, *bufs), grad_out)
+    ref = moda_attention(q, k, v, dk, dv, backend="reference")
+    want = torch.autograd.grad(ref, (q, k, v, *bufs), grad_out)
+    assert rel_rms(out, ref) < TOL[torch.float32]
+    for name, a, b in zip(("dq", "dk", "dv", "dbuf_k", "dbuf_v"), got, want):
+        if b.abs().max() > 0:
+            assert rel_rms(a, b) < TOL[torch.float32], name
+    for grad_buf in got[3:]:
+        outside = torch.cat([grad_buf[:, :, :, :lo], grad_buf[:, :, :, hi:]], dim=3)
+        assert torch.equal(outside, torch.zeros_like(outside))  # never written by the kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forward_saving_and_backward_from(dtype):
+    """The functional API (no autograd graph) on a strided depth slice, against the reference."""
+    B, Hq, Hkv, T, S, d = 1, 6, 2, 5, 8, 16
+    q, k, v, _, _ = make_inputs(B, Hq, Hkv, T, S, 0, d, dtype)
+    _, (dk, dv) = buffer_slices(B, Hkv, T, d, dtype, 1, 4)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=DEVICE)
+    mask[..., :2] = False
+    assert moda_op.moda_saving_supported(q, mask, "triton")
+    out, saved = moda_op.moda_forward_saving(q, k, v, dk, dv, mask, 0.4, True, "triton")
+    assert out.grad_fn is None and out.dtype == dtype
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    grads = moda_op.moda_backward_from(saved, grad_out)
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v, dk, dv)]
+    ref = moda_attention(*leaves, attention_mask=mask, scale=0.4, backend="reference")
+    want = torch.autograd.grad(ref, leaves, grad_out.float())
+    assert rel_rms(out, ref) < TOL[dtype]
+    for name, got, exp in zip(NAMES[1:], grads, want):
+        assert got.shape == exp.shape and got.dtype == dtype, name
+        assert rel_rms(got, exp) < TOL[dtype], name
+    partial = moda_op.moda_backward_from(saved, grad_out, needs=(False, False, False, True, True))
+    assert partial[:3] == (None, None, None)
+    torch.testing.assert_close(partial[3], grads[3], rtol=0, atol=0)  # the same kernel, the same sums
+
+
+@pytest.mark.parametrize("depth_dot", [True, False], ids=["dot", "rowwise"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["into-fp32", "into-bf16"])
+def test_backward_adds_depth_gradients_into_a_strided_buffer(depth_dot, grad_dtype):
+    """``depth_grads_into``: the kernel adds the depth gradients into slices of a gradient buffer
+    (written through strides, in the buffer's dtype); entries outside the slice keep their values."""
+    B, Hq, Hkv, T, S, d, lo, hi = 1, 4, 2, 9, 11, 16, 2, 5
+    q, k, v, _, _ = make_inputs(B, Hq, Hkv, T, S, 0, d, torch.bfloat16)
+    _, (dk, dv) = buffer_slices(B, Hkv, T, d, torch.bfloat16, lo, hi)
+    g = torch.Generator().manual_seed(8)
+    grad_bufs = [torch.randn(B, Hkv, T, 7, d, generator=g).to(DEVICE, grad_dtype) for _ in range(2)]
+    before = [b.clone() for b in grad_bufs]
+    out, saved = moda_op.moda_forward_saving(q, k, v, dk, dv, None, 0.25, True, "triton")
+    saved.state[2]["BLOCK_T"], saved.state[2]["DEPTH_DOT"] = 8, depth_dot  # 2 query blocks (16 rows), both forms
+    grad_out = torch.randn(out.shape, generator=g).to(DEVICE, torch.bfloat16)
+    into = tuple(b[:, :, :, lo:hi] for b in grad_bufs)
+    grads = moda_op.moda_backward_from(saved, grad_out, needs=(True, False, False, False, False),
+                                       depth_grads_into=into)
+    assert grads[1] is None and grads[3] is into[0] and grads[4] is into[1]
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v, dk, dv)]
+    ref = moda_attention(*leaves, scale=0.25, backend="reference")
+    want = torch.autograd.grad(ref, leaves, grad_out.float())
+    assert rel_rms(grads[0], want[0]) < TOL[torch.bfloat16]
+    for buf, old, exp in zip(grad_bufs, before, want[3:]):
+        added = buf[:, :, :, lo:hi].double() - old[:, :, :, lo:hi].double()
+        # bf16 buffer: the sum is rounded once more; its error is relative to the buffer's magnitude.
+        err = (added - exp.double()).norm() / exp.double().norm()
+        bound = TOL[torch.bfloat16] * (1 if grad_dtype == torch.float32 else 1 + old.float().norm() / exp.norm())
+        assert err < bound
+        assert torch.equal(buf[:, :, :, :lo], old[:, :, :, :lo]) and torch.equal(buf[:, :, :, hi:], old[:, :, :, hi:])
+    with pytest.raises(ValueError, match="depth_grads_into gk must be a floating tensor of depth_k's shape"):
+        moda_op.moda_backward_from(saved, grad_out, depth_grads_into=(grad_bufs[0], grad_bufs[1]))
+
+
+def test_mask_gradient_agrees_with_the_pytorch_path():
+    """A float mask that requires grad: backend='triton' routes to the PyTorch path and returns its gradient."""
+    B, Hq, Hkv, T, S, M, d = 1, 4, 2, 5, 7, 2, 16
+    inputs = make_inputs(B, Hq, Hkv, T, S, M, d, torch.float32)
+    mask = torch.randn(B, 1, T, S, generator=torch.Generator().manual_seed(6)).to(DEVICE).requires_grad_()
+    out = moda_attention(*inputs, attention_mask=mask, backend="triton")
+    (got,) = torch.autograd.grad(out.sum(), [mask])
+    ref = moda_attention(*inputs, attention_mask=mask, backend="reference")
+    (want,) = torch.autograd.grad(ref.sum(), [mask])
+    assert want.abs().max() > 0 and rel_rms(got, want) < TOL[torch.float32]
+
+
+def test_second_order_gradients():
+    """create_graph=True through backend='triton': the gradient of a gradient norm matches the reference;
+    the kernel entry without a second-order implementation refuses with a clear error."""
+    B, Hq, Hkv, T, S, M, d = 1, 4, 2, 5, 7, 2, 16
+    inputs = make_inputs(B, Hq, Hkv, T, S, M, d, torch.float32)
+
+    def grad_of_grad_norm(fn):
+        out = fn(*inputs)
+        first = torch.autograd.grad(out.pow(2).sum(), inputs, create_graph=True)
+        return torch.autograd.grad(sum(g.pow(2).sum() for g in first), inputs)
+
+    got = grad_of_grad_norm(lambda *x: moda_attention(*x, backend="triton"))
+    want = grad_of_grad_norm(lambda *x: moda_attention(*x, backend="reference"))
+    for name, a, b in zip(NAMES[1:], got, want):
+        assert rel_rms(a, b) < 10 * TOL[torch.float32], name
+    out = triton_moda_attention(*inputs, None, None, True)
+    with pytest.raises(RuntimeError, match="second-order gradients.*backend='torch'"):
+        torch.autograd.grad(out.sum(), inputs, create_graph=True)
 
 
 def test_comparison_detects_wrong_semantics():

@@ -648,27 +648,48 @@ def moda_backward_from(
     saved: MoDASaved,
     grad_out: torch.Tensor,
     needs: tuple[bool, bool, bool, bool, bool] = (True,) * 5,
+    depth_grads_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """The backward of :func:`moda_forward_saving`: ``(dq, dk, dv, d_depth_k, d_depth_v)``.
 
     Args:
         saved: from :func:`moda_forward_saving`.
         grad_out: [B, Hq, T, d], the gradient of the output (any strides).
-        needs: which of the five gradients to return (None for the others; skipping dk and dv, or the
-            depth gradients, skips their work).
+        needs: which of the five gradients to return (None for the others; skipping dk and dv skips
+            their work).
+        depth_grads_into: None, or ``(gk, gv)``: floating tensors of depth_k's shape [B, Hkv, T, M, d] on
+            its device, any strides (e.g. ``grad_buffer[:, :, :, lo:hi]``), any floating dtype (an fp32
+            buffer for bf16 entries is fine). The depth gradients are then ADDED into them in place
+            (Triton: inside the kernel) and returned as those tensors, whatever ``needs[3:]`` says.
     Returns:
         Gradients with their inputs' shapes (the depth gradients have the view's shape
-        [B, Hkv, T, M, d], fresh tensors to be added into the caller's buffer), in the inputs' dtypes.
-        Computed without an autograd graph (first order only).
+        [B, Hkv, T, M, d]), in the inputs' dtypes. Computed without an autograd graph (first order only).
+    Raises:
+        ValueError: when ``depth_grads_into`` does not have depth_k's shape and device.
     """
     needs = tuple(bool(n) for n in needs)
+    if depth_grads_into is not None:
+        depth_k = saved.inputs[3]
+        for name, into in zip(("gk", "gv"), depth_grads_into):
+            fits = tuple(into.shape) == tuple(depth_k.shape) and into.device == depth_k.device
+            if not (fits and into.is_floating_point()):
+                raise ValueError(
+                    f"depth_grads_into {name} must be a floating tensor of depth_k's shape {tuple(depth_k.shape)} "
+                    f"on {depth_k.device}; got {into.dtype} {tuple(into.shape)} on {into.device}"
+                )
+        needs = needs[:3] + (True, True)
     with torch.no_grad():
         if saved.path == "triton":
             grads = triton_moda_backward(grad_out, *saved.inputs, saved.out, saved.state, saved.scale, saved.causal,
-                                         sequence_kv=needs[1] or needs[2])
+                                         sequence_kv=needs[1] or needs[2], depth_grads_into=depth_grads_into)
             return tuple(g if need else None for g, need in zip(grads, needs))
-        return _flash_cpu_backward(grad_out, *saved.inputs, saved.out, saved.state, saved.mask, saved.is_causal,
-                                   saved.scale, needs)
+        grads = _flash_cpu_backward(grad_out, *saved.inputs, saved.out, saved.state, saved.mask, saved.is_causal,
+                                    saved.scale, needs)
+        if depth_grads_into is None:
+            return grads
+        depth_grads_into[0].add_(grads[3])
+        depth_grads_into[1].add_(grads[4])
+        return (*grads[:3], *depth_grads_into)
 
 
 def moda_attention(

@@ -323,12 +323,14 @@ def _moda_bwd_dq_depth_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DM: tl.constexpr,
     BLOCK_D: tl.constexpr, DEPTH_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """dQ (all G heads of a query block) and the block's depth dK / dV, recomputing P from ``lse``.
 
     ``do``, ``dq`` are contiguous [B, Hq, T, D]; ``lse``, ``delta`` contiguous [B, Hq, T] fp32;
     ``ddk``, ``ddv`` [B, Hkv, T, M, D] are written through their strides (``s_gk*``, ``s_gv*``), like
-    the depth entries ``dk``, ``dv`` are read through theirs (``s_dk*``, ``s_dv*``).
+    the depth entries ``dk``, ``dv`` are read through theirs (``s_dk*``, ``s_dv*``); with ``ACCUMULATE``
+    the gradients are added to what they hold (each entry belongs to exactly one program: no race).
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     # int64 batch / head indices: every offset built from them is int64 (tensors may exceed 2**31 elements).
@@ -403,6 +405,9 @@ def _moda_bwd_dq_depth_kernel(
             b_ddk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, INPUT_PRECISION, UPCAST) * scale
             p_gk = p_ddk + o_jt[:, None] * s_gkt + o_jm[:, None] * s_gkm + o_d[None, :] * s_gkd
             p_gv = p_ddv + o_jt[:, None] * s_gvt + o_jm[:, None] * s_gvm + o_d[None, :] * s_gvd
+            if ACCUMULATE:
+                b_ddk += tl.load(p_gk, mask=m_jd, other=0.0).to(tl.float32)
+                b_ddv += tl.load(p_gv, mask=m_jd, other=0.0).to(tl.float32)
             tl.store(p_gk, b_ddk.to(ddk.dtype.element_ty), mask=m_jd)
             tl.store(p_gv, b_ddv.to(ddv.dtype.element_ty), mask=m_jd)
     else:
@@ -424,6 +429,9 @@ def _moda_bwd_dq_depth_kernel(
             b_dq += b_dsm[:, None] * b_dkr
             b_ddv = tl.sum(tl.reshape(b_pm[:, None] * b_dof, [BLOCK_T, G_PAD, BLOCK_D]), 1)
             b_ddk = tl.sum(tl.reshape(b_dsm[:, None] * b_qf, [BLOCK_T, G_PAD, BLOCK_D]), 1) * scale
+            if ACCUMULATE:
+                b_ddk += tl.load(p_gk + i_m * s_gkm, mask=m_td, other=0.0).to(tl.float32)
+                b_ddv += tl.load(p_gv + i_m * s_gvm, mask=m_td, other=0.0).to(tl.float32)
             tl.store(p_gk + i_m * s_gkm, b_ddk.to(ddk.dtype.element_ty), mask=m_td)
             tl.store(p_gv + i_m * s_gvm, b_ddv.to(ddv.dtype.element_ty), mask=m_td)
 
@@ -578,16 +586,21 @@ def _moda_forward(q, k, v, depth_k, depth_v, mask, scale, causal, blocks):
     return o, lse
 
 
-def _moda_backward(do, q, k, v, depth_k, depth_v, mask, o, lse, scale, causal, blocks, sequence_kv=True):
-    """The five gradients; ``sequence_kv=False`` skips the sequence dK / dV kernel (returns None for them)."""
+def _moda_backward(do, q, k, v, depth_k, depth_v, mask, o, lse, scale, causal, blocks, sequence_kv=True,
+                   depth_grads_into=None):
+    """The five gradients; ``sequence_kv=False`` skips the sequence dK / dV kernel (returns None for them);
+    ``depth_grads_into=(gk, gv)`` adds the depth gradients into those tensors (any strides) and returns them."""
     B, Hq, T, D = q.shape
     Hkv, S, M = k.shape[1], k.shape[2], depth_k.shape[3]
     G = Hq // Hkv
     do = do.contiguous()
     delta = (do.float() * o.float()).sum(-1)  # [B, Hq, T]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ddk = torch.empty(depth_k.shape, dtype=depth_k.dtype, device=depth_k.device)
-    ddv = torch.empty(depth_v.shape, dtype=depth_v.dtype, device=depth_v.device)
+    if depth_grads_into is None:
+        ddk = torch.empty(depth_k.shape, dtype=depth_k.dtype, device=depth_k.device)
+        ddv = torch.empty(depth_v.shape, dtype=depth_v.dtype, device=depth_v.device)
+    else:
+        ddk, ddv = depth_grads_into
     common = dict(CAUSAL=causal, HAS_MASK=mask is not None, **_dot_flags(q.dtype))
     mask_arg = mask if mask is not None else q
     grid = (triton.cdiv(T, blocks["BLOCK_T"]), B * Hkv)
@@ -596,7 +609,7 @@ def _moda_backward(do, q, k, v, depth_k, depth_v, mask, o, lse, scale, causal, b
         ddk if M else dq, ddv if M else dq,
         *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(),
         *ddk.stride(), *ddv.stride(), *_mask_strides(mask),
-        Hkv, T, S, M, D, G, scale, scale * _LOG2E, **common, **blocks,
+        Hkv, T, S, M, D, G, scale, scale * _LOG2E, **common, **blocks, ACCUMULATE=depth_grads_into is not None,
     )
     if not sequence_kv:
         return dq, None, None, ddk, ddv
@@ -661,16 +674,19 @@ def triton_moda_backward(
     scale: float,
     causal: bool,
     sequence_kv: bool = True,
+    depth_grads_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """The kernel backward: ``(dq, dk, dv, d_depth_k, d_depth_v)`` for ``grad_out`` [B, Hq, T, d].
 
     ``out`` and ``state`` come from :func:`triton_moda_forward` on the same inputs. Each gradient has its
     input's shape (depth gradients of a strided view included); dk, dv are None when ``sequence_kv`` is
-    False. No autograd graph is built.
+    False. ``depth_grads_into=(gk, gv)``: tensors of depth_k's shape and dtype, any strides (e.g. slices
+    of a gradient buffer), that the depth gradients are added into in place and returned as. No
+    autograd graph is built.
     """
     lse, mask, blocks = state
     return _moda_backward(grad_out, q, k, v, depth_k, depth_v, mask, out, lse, float(scale), bool(causal),
-                          blocks, sequence_kv)
+                          blocks, sequence_kv, depth_grads_into)
 
 
 class _MoDATritonFunction(torch.autograd.Function):
