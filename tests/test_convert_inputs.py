@@ -39,7 +39,7 @@ def test_a_saved_non_llama_folder_is_refused_naming_its_model_type(kind, convert
     build().save_pretrained(tmp_path / kind)
     with pytest.raises(ValueError, match=message) as info:
         convert(tmp_path / kind)
-    assert "expected a Llama checkpoint" in str(info.value) and str(tmp_path / kind) in str(info.value)
+    assert "expected a LlamaForCausalLM" in str(info.value) and str(tmp_path / kind) in str(info.value)
 
 
 @pytest.mark.parametrize("convert", CONVERTERS, ids=lambda f: f.__name__)

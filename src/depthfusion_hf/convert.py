@@ -20,7 +20,7 @@ _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "re
 
 def _not_a_llama(found: str) -> ValueError:
     return ValueError(
-        f"expected a Llama checkpoint (LlamaForCausalLM, model_type 'llama'); got {found}. Only Llama "
+        f"expected a LlamaForCausalLM (a Llama checkpoint, model_type 'llama'); got {found}. Only Llama "
         "checkpoints can be converted: their weights are what the converted model reuses"
     )
 
@@ -202,3 +202,45 @@ def llama_to_moda(
 
 __all__ = ["llama_to_denseformer", "load_llama", "copy_llama_weights", "llama_config_fields"]
 __all__ += ["llama_to_moda", "init_ffn_kv_from_llama", "FFN_KV_INITS"]
+
+
+def llama_to_attnres(
+    model_or_path: LlamaForCausalLM | str | os.PathLike,
+    attnres_block_size: int | None = None,
+    **load_kwargs,
+) -> torch.nn.Module:
+    """Convert a ``LlamaForCausalLM`` (object, folder or Hub id) into an ``AttnResForCausalLM`` (full or block).
+
+    Every Llama weight is copied under the same name; the pseudo-queries start at zero and the key norms
+    at one (the paper's init), so every AttnRes call averages its sources uniformly. That average is the
+    Llama's residual sum divided by the number of sources N, and each sub-layer (and the final norm) reads
+    it through an RMSNorm, which undoes the scale *except for its eps*: sub-layer l computes the Llama's
+    ``norm(sum)`` with ``eps`` replaced by ``N_l ** 2 * eps``. So the converted model is not exactly the
+    Llama: the logits move, by an amount that shrinks with the hidden states' RMS against ``sqrt(eps) N``
+    (docs/ATTNRES.md has measurements; with ``rms_norm_eps -> 0`` the logits agree to float rounding).
+    Continue pre-training to learn the pseudo-queries.
+
+    Args:
+        model_or_path: the Llama model, or anything ``LlamaForCausalLM.from_pretrained`` accepts.
+        attnres_block_size: None (full AttnRes) or S, ``1 <= S <= 2 * num_hidden_layers`` (block AttnRes).
+        load_kwargs: passed to ``from_pretrained`` when a path is given.
+    Returns:
+        An ``AttnResForCausalLM`` on the Llama's device and dtype, in eval mode if the Llama was.
+    """
+    from .models.attnres import AttnResConfig, AttnResForCausalLM
+
+    llama = load_llama(model_or_path, **load_kwargs)
+    config = AttnResConfig(**llama_config_fields(llama.config), attnres_block_size=attnres_block_size)
+    config._attn_implementation = llama.config._attn_implementation
+    parameter = next(llama.parameters())
+    model = AttnResForCausalLM(config).to(device=parameter.device, dtype=parameter.dtype)
+    new_keys = tuple(f"model.layers.{i}.{name}." for i in range(config.num_hidden_layers)
+                     for name in ("mlp_res", "output_res"))
+    copy_llama_weights(llama, model, new_keys=new_keys)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.train(llama.training)
+    return model
+
+
+__all__ += ["llama_to_attnres"]
