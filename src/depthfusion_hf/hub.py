@@ -1,0 +1,186 @@
+"""Hub-ready exports and uploads: a checked folder with a model card, and its upload to the Hugging Face Hub.
+
+    export_model(model, folder, tokenizer, repo_id=...)   # remote-code folder + model card, then checked
+    push_folder_to_hub(folder, repo_id, token=...)        # create the repo, upload the folder
+
+``scripts/push_to_hub.py`` is the command-line front end; the loaders here are the pieces it calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+
+from .families import FAMILIES, get_family
+from .model_card import build_model_card, clm_results
+from .remote_code import check_export_folder, save_remote_code_folder
+from .safe_folder import MARKER
+
+_REPO_ID = re.compile(r"[\w.\-]+/[\w.\-]+")
+
+
+def validate_repo_id(repo_id: str | None) -> str:
+    """Return ``repo_id`` when it has the Hub's ``"user/name"`` form.
+
+    Raises:
+        ValueError: naming the id when it does not.
+    """
+    if not isinstance(repo_id, str) or not _REPO_ID.fullmatch(repo_id):
+        raise ValueError(f"repo_id must look like 'user/name' (letters, digits, '_', '-', '.'); got {repo_id!r}")
+    return repo_id
+
+
+def export_model(
+    model: PreTrainedModel,
+    folder: str | os.PathLike,
+    tokenizer: Any = None,
+    repo_id: str | None = None,
+    results: Sequence[Mapping[str, Any]] | None = None,
+    template_dir: str | os.PathLike | None = None,
+    dataset: str | None = None,
+    trained: bool = True,
+    overwrite: bool = False,
+) -> Path:
+    """Write a complete Hub-ready folder atomically: config with ``auto_map``, code, safetensors, tokenizer,
+    generation config (causal LMs) and a model card; then check it (:func:`check_export_folder`).
+
+    The target rules are :func:`~depthfusion_hf.remote_code.save_remote_code_folder`'s: a missing or empty
+    folder or a previous export of this package is replaced; anything else raises ``ExportTargetError``
+    unless ``overwrite=True``, which keeps every entry the package did not write.
+
+    Args:
+        model: a model of a registered family.
+        folder: the target.
+        tokenizer: saved with the model (the pipelines need it).
+        repo_id: the Hub id named in the card (default: ``"<user>/<folder name>"``); validated first.
+        results, template_dir, dataset, trained: see :func:`~depthfusion_hf.model_card.build_model_card`.
+        overwrite: write into a folder that holds entries this package did not write (they are kept).
+    Returns:
+        The folder's resolved path.
+    Raises:
+        ValueError: a malformed ``repo_id`` (before anything is written), or the written folder is incomplete
+            (the old folder, if any, is left in place).
+        ExportTargetError: the target holds what the package did not write.
+    """
+    if repo_id is not None:
+        validate_repo_id(repo_id)
+    target = Path(folder).resolve()
+    card = build_model_card(model, repo_id or f"<user>/{target.name}", results=results,
+                            template_dir=template_dir, dataset=dataset, trained=trained)
+    return save_remote_code_folder(model, folder, tokenizer=tokenizer, model_card=card, check=True,
+                                   overwrite=overwrite)
+
+
+def push_folder_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str,
+    token: str | None = None,
+    private: bool = False,
+    commit_message: str = "Upload depthfusion-hf model",
+    api: Any = None,
+) -> str:
+    """Create the model repo ``repo_id`` (if needed) and upload ``folder`` to it in one commit.
+
+    The export marker (``.depthfusion-export.json``, local bookkeeping) is not uploaded.
+
+    Args:
+        folder: an export folder; it must pass :func:`check_export_folder`.
+        repo_id: ``"user/name"`` on the Hub.
+        token: a Hub token (``None``: the cached login / ``HF_TOKEN``).
+        private: create the repo as private (an existing repo keeps its visibility).
+        commit_message: the upload commit's message.
+        api: an ``huggingface_hub.HfApi`` to use (default: a new one with ``token``).
+    Returns:
+        The commit URL (or the ``CommitInfo``'s string form).
+    Raises:
+        ValueError: if the folder is incomplete or ``repo_id`` is not ``"user/name"``.
+    """
+    folder = Path(folder)
+    validate_repo_id(repo_id)
+    problems = check_export_folder(folder)
+    if problems:
+        raise ValueError(f"{folder} is not a complete export: " + "; ".join(problems))
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+    api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
+    info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message,
+                             token=token, repo_type="model", ignore_patterns=[MARKER])
+    return str(getattr(info, "commit_url", info))
+
+
+def load_export_model(model_folder: str | os.PathLike | None = None,
+                      config_path: str | os.PathLike | None = None) -> PreTrainedModel:
+    """The model to export: loaded from a saved folder, or built with random weights from a config JSON that
+    names its ``model_type`` (``configs/*.json``; keys starting with ``_`` are comments).
+
+    Raises:
+        ValueError: if not exactly one source is given, or the model type is not a registered family.
+    """
+    if (model_folder is None) == (config_path is None):
+        raise ValueError("give either a model folder or a config file")
+    if model_folder is not None:
+        config = AutoConfig.from_pretrained(model_folder)
+    else:
+        fields = json.loads(Path(config_path).read_text())
+        fields = {k: v for k, v in fields.items() if not k.startswith("_") and k != "architectures"}
+        model_type = fields.pop("model_type", None)
+        if model_type not in FAMILIES:
+            raise ValueError(f"{config_path}: model_type must be one of {sorted(FAMILIES)}; got {model_type!r}")
+        config = AutoConfig.for_model(model_type, **fields)
+    auto_class = get_family(config.model_type).task_auto_class
+    if model_folder is not None:
+        return auto_class.from_pretrained(model_folder)
+    return auto_class.from_config(config)
+
+
+def load_export_tokenizer(tokenizer: str | None, model_folder: str | os.PathLike | None):
+    """``tokenizer`` (a folder / Hub id), else the model folder's tokenizer if it has one, else ``None``."""
+    source = tokenizer
+    if source is None and model_folder is not None and (Path(model_folder) / "tokenizer_config.json").is_file():
+        source = model_folder
+    return AutoTokenizer.from_pretrained(source) if source is not None else None
+
+
+def load_card_results(results: str | os.PathLike | None, model_type: str,
+                      model_folder: str | os.PathLike | None = None) -> list[dict] | None:
+    """Metric entries for a card: from a ``train_clm.py`` ``results.json`` or a JSON list of entries.
+
+    Args:
+        results: the file; ``None`` looks for ``<model_folder>/../../results.json`` (``train_clm.py`` writes
+            ``<out>/<model>/final`` and ``<out>/results.json``) and returns ``None`` when there is none.
+        model_type: the family whose run to take from a ``results.json``.
+        model_folder: the exported model's folder (for the lookup above).
+    Raises:
+        ValueError: if the file is neither form.
+    """
+    path = Path(results) if results is not None else None
+    if path is None:
+        if model_folder is None:
+            return None
+        path = Path(model_folder).resolve().parent.parent / "results.json"
+        if not path.is_file():
+            return None
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and "runs" in data:
+        return clm_results(data, model_type)
+    if isinstance(data, list):
+        return data
+    raise ValueError(f"{path}: expected a train_clm results.json or a JSON list of metric entries")
+
+
+__all__ = [
+    "export_model",
+    "load_card_results",
+    "load_export_model",
+    "load_export_tokenizer",
+    "push_folder_to_hub",
+    "validate_repo_id",
+]

@@ -1,0 +1,241 @@
+"""Model cards: render ``model_cards/<family>.md`` with a model's numbers, and turn results into a ``model-index``.
+
+    text = build_model_card(model, "me/denseformer-kjv", results=clm_results("outputs/clm/results.json",
+                                                                              "denseformer"))
+
+The template, the pipeline tag and the family's numbers come from the family registry
+(:mod:`depthfusion_hf.families`); a template's ``{{ name }}`` placeholders must all have a value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from .families import get_family
+
+_PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+
+
+def default_model_cards_dir() -> Path:
+    """The card templates shipped inside the package (``model_cards/`` at the repo root links here)."""
+    return Path(__file__).resolve().parent / "model_cards"
+
+
+def split_front_matter(text: str) -> tuple[dict, str]:
+    """Split a model card into its YAML front matter (a dict) and the markdown body.
+
+    Raises:
+        ValueError: if the card does not start with a ``---`` block or the block is not a YAML mapping.
+    """
+    import yaml
+
+    match = re.match(r"\A---[ \t]*\n(.*?\n)---[ \t]*\n(.*)\Z", text, re.DOTALL)
+    if match is None:
+        raise ValueError("a model card must start with YAML front matter between '---' lines")
+    try:
+        meta = yaml.safe_load(match.group(1))
+    except yaml.YAMLError as error:
+        raise ValueError(f"the front matter is not valid YAML: {error}") from error
+    if not isinstance(meta, dict):
+        raise ValueError("the front matter must be a YAML mapping")
+    return meta, match.group(2)
+
+
+def join_front_matter(meta: Mapping[str, Any], body: str) -> str:
+    """The inverse of :func:`split_front_matter` (keys keep their order)."""
+    import yaml
+
+    return "---\n" + yaml.safe_dump(dict(meta), sort_keys=False, allow_unicode=True) + "---\n" + body
+
+
+def render_template(text: str, values: Mapping[str, Any]) -> str:
+    """Replace every ``{{ name }}`` in ``text`` by ``str(values[name])``.
+
+    Raises:
+        ValueError: naming the placeholders that ``values`` lacks (so a typo in a template fails loudly).
+    """
+    missing = sorted({name for name in _PLACEHOLDER.findall(text) if name not in values})
+    if missing:
+        raise ValueError(f"model card template placeholders without a value: {missing}")
+    return _PLACEHOLDER.sub(lambda match: str(values[match.group(1)]), text)
+
+
+def _human(count: int) -> str:
+    """``1234567 -> '1.23M'``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g}{unit}"
+    return str(count)
+
+
+def model_card_values(model: PreTrainedModel, repo_id: str, dataset: str | None = None) -> dict[str, Any]:
+    """The numbers a family's card template refers to, read from the model and its config.
+
+    Common: ``repo_id``, ``model_type``, ``architecture``, ``num_parameters`` (e.g. ``"1.23M"``) and
+    ``num_parameters_exact``, ``dataset``; then the family's own numbers, from its registry entry's
+    ``card_values`` (e.g. DenseFormer's ``dwa_dilation``, MoDA's ``max_depth_entries``, DWAtt's ``labels``).
+
+    Raises:
+        ValueError: if the model is not one of the registered families.
+    """
+    family = get_family(model.config.model_type)
+    params = sum(p.numel() for p in model.parameters())
+    values: dict[str, Any] = {
+        "repo_id": repo_id,
+        "model_type": family.model_type,
+        "architecture": type(model).__name__,
+        "num_parameters": _human(params),
+        "num_parameters_exact": f"{params:,}",
+        "dataset": dataset or family.default_dataset,
+    }
+    return values | family.card_values(model)
+
+
+def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str) -> list[dict[str, Any]]:
+    """Metric entries for a causal LM from ``scripts/train_clm.py``'s ``results.json`` (path or parsed dict).
+
+    Takes the run whose ``model_type`` is ``model_type`` and the Llama baseline (``model_type`` ``"llama"``);
+    returns entries (see :func:`model_index`) for the validation loss and perplexity of the model, with the
+    baseline's numbers kept under ``"baseline"`` for the card's results table. Runs are matched by the
+    ``model_type`` each run records, never by their display names.
+
+    Raises:
+        ValueError: if a run records no ``model_type`` (a file from an older ``train_clm.py``: add the field
+            or re-run), or no run of that family is in the file.
+    """
+    data = json.loads(Path(results).read_text()) if not isinstance(results, Mapping) else results
+    runs = data.get("runs", [])
+    untyped = [run.get("name") for run in runs if not run.get("model_type")]
+    if untyped:
+        raise ValueError(f"runs without a 'model_type' field: {untyped} (results written by an older "
+                         "train_clm.py; add \"model_type\" to each run or train again)")
+    ours = [run for run in runs if run["model_type"] == model_type]
+    if not ours:
+        raise ValueError(f"no {model_type!r} run in the results (runs: "
+                         f"{[(run.get('name'), run['model_type']) for run in runs]})")
+    run = ours[0]
+    baseline = next((r for r in runs if r["model_type"] == "llama"), None)
+    args = data.get("args", {})
+    dataset = args.get("dataset") or "local files"
+    dataset_name = "King James Bible, held-out chapters" if dataset == "kjv" else f"{dataset} (validation split)"
+    steps = data.get("settings", {}).get("max_steps")
+    entries = []
+    for metric, name, key in (("loss", "Validation loss", "eval_loss"), ("perplexity", "Validation perplexity",
+                                                                           "perplexity")):
+        value = run.get(key) if key != "perplexity" else run.get(key, math.exp(run["eval_loss"]))
+        entry = {
+            "task_type": "text-generation",
+            "task_name": "Causal language modeling",
+            "dataset_type": dataset,
+            "dataset_name": dataset_name,
+            "dataset_split": "validation",
+            "metric_type": metric,
+            "metric_name": name,
+            "value": round(float(value), 4),
+            "run": run.get("name"),
+            "steps": steps,
+        }
+        if baseline is not None:
+            entry["baseline"] = round(float(baseline.get(key, math.exp(baseline["eval_loss"]))), 4)
+        entries.append(entry)
+    return entries
+
+
+def model_index(model_name: str, entries: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The Hub ``model-index`` (one result per task/dataset pair) from metric entries.
+
+    Each entry: ``task_type``, ``task_name``, ``dataset_type``, ``dataset_name``, optional ``dataset_split``,
+    ``metric_type``, ``metric_name``, ``value``; other keys are ignored.
+    """
+    results: dict[tuple, dict[str, Any]] = {}
+    for entry in entries:
+        key = (entry["task_type"], entry["dataset_type"], entry.get("dataset_split"))
+        if key not in results:
+            dataset = {"name": entry["dataset_name"], "type": entry["dataset_type"]}
+            if entry.get("dataset_split"):
+                dataset["split"] = entry["dataset_split"]
+            results[key] = {"task": {"type": entry["task_type"], "name": entry["task_name"]},
+                            "dataset": dataset, "metrics": []}
+        results[key]["metrics"].append(
+            {"type": entry["metric_type"], "value": entry["value"], "name": entry["metric_name"]}
+        )
+    return [{"name": model_name, "results": list(results.values())}]
+
+
+def _results_section(entries: Sequence[Mapping[str, Any]] | None) -> str:
+    if not entries:
+        return ("No measured results are attached to this export (it was written without a results file, "
+                "e.g. a random initialisation); the metadata carries no `model-index`.")
+    has_baseline = any("baseline" in entry for entry in entries)
+    lines = ["| dataset | metric | this model |" + (" same-shape Llama |" if has_baseline else ""),
+             "|---|---|---:|" + ("---:|" if has_baseline else "")]
+    for entry in entries:
+        row = f"| {entry['dataset_name']} | {entry['metric_name']} | {entry['value']} |"
+        if has_baseline:
+            row += f" {entry.get('baseline', '')} |"
+        lines.append(row)
+    steps = next((entry.get("steps") for entry in entries if entry.get("steps")), None)
+    note = f"\n\nMeasured by this package's training script ({steps} optimizer steps)." if steps else ""
+    return "\n".join(lines) + note
+
+
+def build_model_card(
+    model: PreTrainedModel,
+    repo_id: str,
+    results: Sequence[Mapping[str, Any]] | None = None,
+    template_dir: str | os.PathLike | None = None,
+    dataset: str | None = None,
+    trained: bool = True,
+) -> str:
+    """Render ``model_cards/<model_type>.md`` for ``model``: numbers from its config, and results if given.
+
+    Args:
+        model: a DenseFormer, MoDA or DWAtt model.
+        repo_id: the Hub id the card's usage code loads (e.g. ``"me/denseformer-4x5-kjv"``).
+        results: metric entries (see :func:`model_index`, :func:`clm_results`); they become the card's
+            ``model-index`` and results table. ``None``: the card claims no results and has no ``model-index``.
+        template_dir: folder holding ``<model_type>.md``; defaults to :func:`default_model_cards_dir`.
+        dataset: the training data's Hub id for the ``datasets`` metadata (default: the reference run's).
+        trained: ``False`` for a random initialisation: the card names no training data and no results.
+    Returns:
+        The card text (YAML front matter + markdown).
+    Raises:
+        FileNotFoundError: if the template is missing. ValueError: if a placeholder has no value.
+    """
+    template_dir = Path(template_dir) if template_dir is not None else default_model_cards_dir()
+    template_path = template_dir / get_family(model.config.model_type).card_template
+    if not template_path.is_file():
+        raise FileNotFoundError(f"model card template not found: {template_path}")
+    if not trained and results:
+        raise ValueError("a randomly initialised model has no measured results")
+    values = model_card_values(model, repo_id, dataset=dataset)
+    if not trained:
+        values["dataset"] = "nothing: randomly initialised weights"
+    values["results_section"] = _results_section(results)
+    meta, body = split_front_matter(render_template(template_path.read_text(), values))
+    meta.pop("model-index", None)
+    if not trained:
+        meta.pop("datasets", None)
+    if results:
+        meta["model-index"] = model_index(repo_id.rstrip("/").split("/")[-1], results)
+    return join_front_matter(meta, body)
+
+
+__all__ = [
+    "build_model_card",
+    "clm_results",
+    "default_model_cards_dir",
+    "join_front_matter",
+    "model_card_values",
+    "model_index",
+    "render_template",
+    "split_front_matter",
+]

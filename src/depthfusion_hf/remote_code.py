@@ -1,0 +1,196 @@
+"""Write self-contained model folders that load with ``trust_remote_code=True``, and check them.
+
+The folder holds the config (with ``auto_map``), the family's code files (configuration, modeling and
+op files, copied by transformers), safetensors weights, and optionally the tokenizer, the generation
+config (causal LMs) and a model card (``README.md``). It is written by :mod:`depthfusion_hf.safe_folder`:
+atomically (a half-written export never replaces a good one), marked as this package's export, and
+never deleting or replacing what the package did not write.
+
+    save_remote_code_folder(model, folder, tokenizer)   # config + code + weights (+ tokenizer)
+    check_export_folder(folder, tokenizer=True)         # [] when complete
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from .families import FAMILIES, get_family
+from .model_card import split_front_matter
+from .safe_folder import write_folder
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model")
+_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.([A-Za-z_][A-Za-z0-9_]*)\s+import\s", re.MULTILINE)
+
+
+def register_for_remote_code(model: PreTrainedModel) -> None:
+    """Mark the model's config and class for ``auto_map`` so ``save_pretrained`` copies the code files.
+
+    Raises:
+        ValueError: if the model is not one of this package's families.
+    """
+    family = get_family(model.config.model_type)
+    base = family.base_model_class
+    type(model.config).register_for_auto_class()
+    is_base = base is not None and type(model).__name__ == base.__name__
+    type(model).register_for_auto_class("AutoModel" if is_base else family.task_auto_class.__name__)
+
+
+def add_base_model_entry(folder: Path, model: PreTrainedModel) -> None:
+    """Also map ``AutoModel`` to the family's base model in the saved config's ``auto_map``."""
+    base = get_family(model.config.model_type).base_model_class
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    auto_map = config.setdefault("auto_map", {})
+    module = type(model).__module__.rsplit(".", 1)[-1]
+    if base is not None and "AutoModel" not in auto_map:
+        auto_map["AutoModel"] = f"{module}.{base.__name__}"
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def save_remote_code_folder(
+    model: PreTrainedModel,
+    folder: str | os.PathLike,
+    tokenizer: Any = None,
+    model_card: str | None = None,
+    check: bool = False,
+    overwrite: bool = False,
+) -> Path:
+    """Write a complete remote-code model folder atomically, never deleting what the package did not write.
+
+    The target may be missing, empty, or a previous export of this package (it holds the marker file
+    ``.depthfusion-export.json`` listing the files the export wrote): it is then replaced in one rename.
+    A folder holding anything else (other files, the current working directory), a file or a dangling
+    symlink raises :class:`~depthfusion_hf.safe_folder.ExportTargetError` naming the folder and the foreign
+    entries, and nothing is written. With ``overwrite=True`` the export is written into such a folder and
+    the foreign entries are **kept** (a foreign file with the name of an export file refuses the call).
+    Stale staging folders ``.<name>.tmp-<pid>-*`` that this package left next to the target (a process
+    killed mid-export) are deleted first; see :mod:`depthfusion_hf.safe_folder` for the exact rules.
+
+    Args:
+        model: a model of a registered family (DenseFormer, MoDA, DWAtt, ...).
+        folder: the target folder.
+        tokenizer: optional tokenizer saved alongside.
+        model_card: optional README.md text (Hub model card with YAML front matter).
+        check: run :func:`check_export_folder` on the new folder before it replaces the target.
+        overwrite: write into a folder that holds entries this package did not write (they are kept).
+    Returns:
+        The folder's resolved path.
+    Raises:
+        ExportTargetError: the target holds what the package did not write (see above).
+        ValueError: if the model is not of a registered family, or with ``check=True`` if the new folder is
+            incomplete (the target is left as it was).
+    """
+    register_for_remote_code(model)
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging, safe_serialization=True)
+        add_base_model_entry(staging, model)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if model_card is not None:
+            (staging / "README.md").write_text(model_card)
+
+    def problems(staging: Path) -> list[str]:
+        return check_export_folder(staging, tokenizer=tokenizer is not None, model_card=model_card is not None)
+
+    return write_folder(folder, write, overwrite=overwrite, check=problems if check else None)
+
+
+def save_model_folder(
+    model: PreTrainedModel, folder: str | os.PathLike, tokenizer: Any = None, overwrite: bool = False
+) -> Path:
+    """Save any model as :func:`save_remote_code_folder` does: a registered family as a remote-code folder,
+    another transformers model (the Llama baseline) with plain ``save_pretrained``; same safety rules.
+
+    Raises:
+        ExportTargetError: the target holds what the package did not write (see :func:`save_remote_code_folder`).
+    """
+    if model.config.model_type in FAMILIES:
+        return save_remote_code_folder(model, folder, tokenizer=tokenizer, overwrite=overwrite)
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+
+    return write_folder(folder, write, overwrite=overwrite)
+
+
+def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, model_card: bool = False) -> list[str]:
+    """List what a remote-code folder lacks; an empty list means it is complete.
+
+    Checked: ``config.json`` with ``model_type`` and an ``auto_map`` that has ``AutoConfig`` and the family's
+    task auto class (and ``AutoModel`` where the family has a base model); every module named in
+    ``auto_map`` and every file those modules import with single-dot relative imports; safetensors weights
+    (a single file or an index whose shards all exist) and no pickle weights; ``generation_config.json``
+    for causal LMs; with ``tokenizer=True`` a tokenizer config and vocabulary; with ``model_card=True`` a
+    ``README.md`` whose YAML front matter parses.
+    """
+    folder = Path(folder)
+    problems: list[str] = []
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        return [f"{config_path} is missing"]
+    config = json.loads(config_path.read_text())
+    family = FAMILIES.get(config.get("model_type"))
+    if family is None:
+        return [f"config.json: model_type must be one of {sorted(FAMILIES)}; got {config.get('model_type')!r}"]
+    auto_map = config.get("auto_map") or {}
+    expected = ["AutoConfig", family.task_auto_class.__name__]
+    expected += ["AutoModel"] if family.base_model_class is not None else []
+    problems += [f"config.json: auto_map has no {name!r} entry" for name in expected if name not in auto_map]
+
+    pending = [str(ref).split("--")[-1].split(".")[0] for ref in auto_map.values()]
+    seen: set[str] = set()
+    while pending:
+        module = pending.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = folder / f"{module}.py"
+        if not path.is_file():
+            problems.append(f"code file {path.name} is missing")
+            continue
+        pending += _RELATIVE_IMPORT.findall(path.read_text())
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        problems += [f"weight shard {name} is missing" for name in sorted(shards) if not (folder / name).is_file()]
+    elif not (folder / "model.safetensors").is_file():
+        problems.append("model.safetensors is missing")
+    pickles = sorted(folder.glob("pytorch_model*.bin"))
+    problems += [f"{path.name}: pickle weights; export safetensors only" for path in pickles]
+    if family.is_causal_lm and not (folder / "generation_config.json").is_file():
+        problems.append("generation_config.json is missing (a causal LM)")
+    if tokenizer:
+        if not (folder / "tokenizer_config.json").is_file():
+            problems.append("tokenizer_config.json is missing")
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            problems.append(f"no tokenizer vocabulary (one of {TOKENIZER_FILES})")
+    if model_card:
+        readme = folder / "README.md"
+        if not readme.is_file():
+            problems.append("README.md (model card) is missing")
+        else:
+            try:
+                split_front_matter(readme.read_text())
+            except ValueError as error:
+                problems.append(f"README.md: {error}")
+    return problems
+
+
+__all__ = [
+    "TOKENIZER_FILES",
+    "add_base_model_entry",
+    "check_export_folder",
+    "register_for_remote_code",
+    "save_model_folder",
+    "save_remote_code_folder",
+]
