@@ -171,15 +171,15 @@ def attnres_reference(
     """
     cd = compute_dtype(sources[0].dtype, query, key_norm_weight)
     w, g = query.to(cd), key_norm_weight.to(cd)
+    xs = [v.to(cd) for v in sources]  # one cast per source: its gradient is rounded once
     logits = []
-    for v in sources:
-        x = v.to(cd)
+    for x in xs:
         k = g * x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
         logits.append((k * w).sum(dim=-1))
     alpha = torch.softmax(torch.stack(logits, dim=-1), dim=-1)
-    h = alpha[..., 0:1] * sources[0].to(cd)
-    for i in range(1, len(sources)):
-        h = h + alpha[..., i : i + 1] * sources[i].to(cd)
+    h = alpha[..., 0:1] * xs[0]
+    for i in range(1, len(xs)):
+        h = h + alpha[..., i : i + 1] * xs[i]
     return h.to(sources[0].dtype), alpha
 
 

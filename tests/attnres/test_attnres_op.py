@@ -1,0 +1,370 @@
+"""The ``attention_residual`` op (AttnRes, PAPERS.md section 4): reference and torch backends on CPU.
+
+Every path is compared with the reference evaluated in float64 on the same inputs (values, softmax
+weights, gradients of query, norm weight and every source), in fp32, bf16 and fp16, on awkward shapes.
+The Triton kernel has the same checks in ``tests/kernels/test_attnres_triton.py`` (interpreted).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import depthfusion_hf.ops
+from depthfusion_hf.models.attnres import attnres
+from depthfusion_hf.models.attnres.attnres import (
+    attention_residual,
+    attention_residual_with_backend,
+    attnres_reference,
+    resolve_backend,
+)
+from tests.attnres._op_cases import (
+    K_FP32,
+    SHAPES,
+    assert_scaled_close,
+    check_against_truth,
+    make_grads,
+    make_inputs,
+    run_and_check,
+    run_op,
+    shape_id,
+    truth,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+
+
+@pytest.fixture(params=["reference", "torch-list", "torch-small"])
+def backend(request, monkeypatch):
+    """The CPU paths: the reference, the torch custom Function over the list, the stacked small path."""
+    if request.param == "torch-list":
+        monkeypatch.setattr(attnres, "SMALL_NUMEL", -1)
+    elif request.param == "torch-small":
+        monkeypatch.setattr(attnres, "SMALL_NUMEL", 1 << 40)
+    return request.param.split("-")[0]
+
+
+def test_exported_from_ops():
+    assert depthfusion_hf.ops.attention_residual is attention_residual
+    assert "attention_residual" in depthfusion_hf.ops.__all__
+
+
+def test_reference_against_hand_computation():
+    """Two sources, D = 2, one token: the equations of PAPERS.md section 4 evaluated by hand."""
+    v0 = torch.tensor([[[3.0, 4.0]]], dtype=torch.float64)
+    v1 = torch.tensor([[[1.0, -1.0]]], dtype=torch.float64)
+    w = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    g = torch.tensor([2.0, 1.0], dtype=torch.float64)
+    eps = 1e-6
+    k0 = [2.0 * 3.0 / math.sqrt(12.5 + eps), 1.0 * 4.0 / math.sqrt(12.5 + eps)]
+    k1 = [2.0 * 1.0 / math.sqrt(1.0 + eps), 1.0 * -1.0 / math.sqrt(1.0 + eps)]
+    s0, s1 = 0.5 * k0[0] + 2.0 * k0[1], 0.5 * k1[0] + 2.0 * k1[1]
+    a0 = math.exp(s0) / (math.exp(s0) + math.exp(s1))
+    expected_h = torch.tensor([[[a0 * 3.0 + (1 - a0) * 1.0, a0 * 4.0 + (1 - a0) * -1.0]]], dtype=torch.float64)
+    h, alpha = attnres_reference(w, [v0, v1], g, eps)
+    assert_scaled_close(h, expected_h, torch.float64, 8, "h")
+    assert_scaled_close(alpha, torch.tensor([[[a0, 1 - a0]]], dtype=torch.float64), torch.float64, 8, "alpha")
+
+
+def test_zero_query_is_the_uniform_average(backend):
+    """The paper's initialisation (w = 0): every source gets weight 1/N, h is the plain mean."""
+    _, sources, weight = make_inputs((2, 7, 12, 5), torch.float32)
+    query = torch.zeros(12)
+    h, alpha = attention_residual(query, sources, weight, return_weights=True, backend=backend)
+    mean = torch.stack([x.detach().double() for x in sources]).mean(0)
+    assert_scaled_close(h, mean, torch.float32, K_FP32, "h")
+    assert_scaled_close(alpha, torch.full((2, 7, 5), 0.2, dtype=torch.float64), torch.float32, 4, "alpha")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=[shape_id(s) for s in SHAPES])
+def test_matches_float64_truth(backend, shape, dtype):
+    run_and_check(shape, dtype, backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_non_contiguous_sources_and_gradient(backend, dtype):
+    shape = (2, 9, 20, 3)
+    query, sources, weight = make_inputs(shape, dtype, non_contiguous=True)
+    assert not any(x.is_contiguous() for x in sources)
+    grad_h = torch.randn(2, 20, 9).to(dtype).transpose(1, 2)  # a non-contiguous output gradient too
+    _, grad_alpha = make_grads(shape, dtype)
+    result = run_op(query, sources, weight, grad_h, grad_alpha, backend)
+    check_against_truth(result, truth(query, sources, weight, grad_h, grad_alpha), dtype)
+
+
+def test_last_dim_strided_sources(backend):
+    """Sources that are every other element of a wider tensor (stride 2 along D)."""
+    wide = torch.randn(3, 2, 5, 14, dtype=torch.float32)
+    sources = [wide[i, ..., ::2].requires_grad_() for i in range(3)]
+    assert all(x.stride(-1) == 2 for x in sources)
+    query, _, weight = make_inputs((2, 5, 7, 3), torch.float32)
+    grad_h, grad_alpha = make_grads((2, 5, 7, 3), torch.float32)
+    result = run_op(query, sources, weight, grad_h, grad_alpha, backend)
+    check_against_truth(result, truth(query, sources, weight, grad_h, grad_alpha), torch.float32)
+
+
+def test_stacked_tensor_of_sources(backend):
+    """One [N, B, T, D] tensor is unbound into N sources; its gradient is the stack of theirs."""
+    query, sources, weight = make_inputs((2, 4, 10, 3), torch.float32)
+    stacked = torch.stack([x.detach() for x in sources]).requires_grad_()
+    h = attention_residual(query, stacked, weight, backend=backend)
+    grad_h, _ = make_grads((2, 4, 10, 3), torch.float32)
+    (d_stacked,) = torch.autograd.grad(h, [stacked], grad_h)
+    _, _, grads64 = truth(query, sources, weight, grad_h, None)
+    assert_scaled_close(d_stacked, torch.stack(grads64[2:]), torch.float32, K_FP32, "d_stacked")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[shape_id(s) for s in SHAPES])
+def test_weights_are_a_softmax(backend, shape):
+    query, sources, weight = make_inputs(shape, torch.bfloat16)
+    h, alpha = attention_residual(query, sources, weight, return_weights=True, backend=backend)
+    batch, seq, dim, n_src = shape
+    assert h.shape == (batch, seq, dim) and h.dtype == torch.bfloat16
+    assert alpha.shape == (batch, seq, n_src) and alpha.dtype == torch.float32
+    assert (alpha >= 0).all()
+    assert_scaled_close(alpha.sum(-1), torch.ones(batch, seq, dtype=torch.float64), torch.float32, n_src + 1, "sum")
+    assert not isinstance(attention_residual(query, sources, weight, backend=backend), tuple)
+
+
+def test_hidden_size_one(backend):
+    """D = 1: the key is ~sign(v) g, and the norm's gradient eps / (v^2 + eps) cancels in fp32 arithmetic,
+    so the gradients are checked in float64 (values also in fp32)."""
+    shape = (1, 15, 1, 5)
+    query, sources, weight = make_inputs(shape, torch.float32)
+    h, alpha = attention_residual(query, sources, weight, return_weights=True, backend=backend)
+    h64, alpha64, _ = truth(query, sources, weight, torch.zeros(1, 15, 1), None)
+    assert_scaled_close(h, h64, torch.float32, K_FP32, "h")
+    assert_scaled_close(alpha, alpha64, torch.float32, K_FP32, "alpha")
+    query, sources, weight = make_inputs(shape, torch.float64, param_dtype=torch.float64)
+    grad_h, grad_alpha = make_grads(shape, torch.float64)
+    h, alpha, grads = run_op(query, sources, weight, grad_h, grad_alpha, backend)
+    _, _, grads64 = truth(query, sources, weight, grad_h, grad_alpha)
+    for i, (a, e) in enumerate(zip(grads, grads64)):
+        assert_scaled_close(a, e, torch.float64, 1e4, f"grad[{i}]")
+
+
+@pytest.mark.parametrize("batch,seq", [(0, 4), (2, 0)])
+def test_empty_token_dims(backend, batch, seq):
+    query, sources, weight = make_inputs((max(batch, 1), max(seq, 1), 6, 3), torch.float32)
+    sources = [x.detach()[:batch, :seq].requires_grad_() for x in sources]
+    h, alpha = attention_residual(query, sources, weight, return_weights=True, backend=backend)
+    assert h.shape == (batch, seq, 6) and alpha.shape == (batch, seq, 3)
+    grads = torch.autograd.grad(h.sum(), [query, weight, *sources])
+    assert all(torch.count_nonzero(gr) == 0 for gr in grads)
+    assert grads[0].shape == (6,) and grads[2].shape == (batch, seq, 6)
+
+
+def test_partial_requires_grad(backend):
+    """Frozen query/norm weight or some frozen sources: None for those, exact values for the rest."""
+    shape = (2, 6, 10, 3)
+    query, sources, weight = make_inputs(shape, torch.float32)
+    grad_h, _ = make_grads(shape, torch.float32)
+    _, _, grads64 = truth(query, sources, weight, grad_h, None)
+    frozen = [sources[0], sources[1].detach(), sources[2]]
+    h = attention_residual(query.detach(), frozen, weight.detach(), backend=backend)
+    d0, d2 = torch.autograd.grad(h, [frozen[0], frozen[2]], grad_h)
+    assert_scaled_close(d0, grads64[2], torch.float32, K_FP32, "d_sources[0]")
+    assert_scaled_close(d2, grads64[4], torch.float32, K_FP32, "d_sources[2]")
+    h = attention_residual(query, [x.detach() for x in sources], weight, backend=backend)
+    dq, dg = torch.autograd.grad(h, [query, weight], grad_h)
+    assert_scaled_close(dq, grads64[0], torch.float32, K_FP32, "d_query")
+    assert_scaled_close(dg, grads64[1], torch.float32, K_FP32, "d_key_norm_weight")
+
+
+def test_bf16_parameters(backend):
+    """A bf16 model: query and norm weight in bf16 too; their gradients come back in bf16."""
+    shape = (2, 5, 16, 4)
+    query, sources, weight = make_inputs(shape, torch.bfloat16, param_dtype=torch.bfloat16)
+    grad_h, grad_alpha = make_grads(shape, torch.bfloat16)
+    h, alpha, grads = run_op(query, sources, weight, grad_h, grad_alpha, backend)
+    h64, alpha64, grads64 = truth(query, sources, weight, grad_h, grad_alpha)
+    assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.bfloat16
+    assert_scaled_close(h, h64, torch.bfloat16, 1, "h")
+    for i, (a, e) in enumerate(zip(grads, grads64)):
+        assert_scaled_close(a, e, torch.bfloat16, 1, f"grad[{i}]")
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["list", "small"])
+def test_gradcheck_torch_backward(monkeypatch, small):
+    """The custom backward (and the stacked path) in float64, first and second order, with alpha as an output."""
+    monkeypatch.setattr(attnres, "SMALL_NUMEL", 1 << 40 if small else -1)
+    query, sources, weight = make_inputs((2, 3, 5, 3), torch.float64, param_dtype=torch.float64)
+
+    def fn(q, g, *xs):
+        return attention_residual(q, list(xs), g, return_weights=True, backend="torch")
+
+    assert torch.autograd.gradcheck(fn, (query, weight, *sources))
+    assert torch.autograd.gradgradcheck(fn, (query, weight, *sources))
+
+
+def test_double_backward_matches_reference(backend):
+    """A gradient penalty (create_graph=True) gives the reference's second-order gradients."""
+    shape = (2, 4, 9, 3)
+
+    def penalty(backend_name):
+        query, sources, weight = make_inputs(shape, torch.float32)
+        h = attention_residual(query, sources, weight, backend=backend_name)
+        grads = torch.autograd.grad((h * h).sum(), [query, *sources], create_graph=True)
+        loss = sum((gr * gr).sum() for gr in grads)
+        return torch.autograd.grad(loss, [query, weight, *sources])
+
+    for a, e in zip(penalty(backend), penalty("reference")):
+        assert_scaled_close(a, e, torch.float32, K_FP32, "second-order gradient")
+
+
+def test_float64_stays_float64(backend):
+    query, sources, weight = make_inputs((1, 3, 6, 2), torch.float64, param_dtype=torch.float64)
+    h, alpha = attention_residual(query, sources, weight, return_weights=True, backend=backend)
+    assert h.dtype == torch.float64 and alpha.dtype == torch.float64
+    h64, alpha64, _ = truth(query, sources, weight, torch.zeros_like(h), None)
+    assert_scaled_close(h, h64, torch.float64, K_FP32, "h")
+
+
+def test_eps_is_used(backend):
+    """A large eps changes the keys exactly as RMSNorm's eps does."""
+    query, sources, weight = make_inputs((1, 4, 8, 3), torch.float64, param_dtype=torch.float64)
+    h = attention_residual(query, sources, weight, eps=0.5, backend=backend)
+    h64, _ = attnres_reference(query, sources, weight, 0.5)
+    h_small, _ = attnres_reference(query, sources, weight, 1e-6)
+    assert_scaled_close(h, h64, torch.float64, K_FP32, "h")
+    assert (h64 - h_small).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def test_resolve_backend(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("DEPTHFUSION_BACKEND", raising=False)
+    assert resolve_backend(None, cpu) == "torch"
+    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_backend("Reference", cpu) == "reference"
+    monkeypatch.setenv("DEPTHFUSION_BACKEND", "reference")
+    assert resolve_backend(None, cpu) == "reference"
+    assert resolve_backend("torch", cpu) == "torch"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("cuda", cpu)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend(3, cpu)
+    if not attnres.attnres_triton_available():
+        with pytest.raises(ValueError, match="backend='triton' was requested but Triton"):
+            resolve_backend("triton", cpu)
+
+
+def test_env_backend_is_used(monkeypatch):
+    """$DEPTHFUSION_BACKEND picks the implementation when no argument is given."""
+    calls = []
+    monkeypatch.setattr(attnres, "attnres_reference", lambda *a: calls.append(1) or attnres_reference(*a))
+    monkeypatch.setenv("DEPTHFUSION_BACKEND", "reference")
+    query, sources, weight = make_inputs((1, 2, 4, 2), torch.float32)
+    attention_residual(query, sources, weight)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("where", ["sources", "query"])
+def test_float64_work_is_routed_away_from_triton(monkeypatch, where):
+    """The dispatcher sends float64 work asked of Triton to the torch path (the kernel computes in fp32)."""
+
+    def kernel(*args):
+        raise AssertionError("the Triton kernel must not receive float64 work")
+
+    monkeypatch.setattr(attnres, "triton_attention_residual", kernel)
+    dtype = torch.float64 if where == "sources" else torch.float32
+    query, sources, weight = make_inputs((1, 3, 6, 2), dtype, param_dtype=torch.float64)
+    h = attention_residual_with_backend(query, sources, weight, 1e-6, False, "triton")
+    h64, _, _ = truth(query, sources, weight, torch.zeros(1, 3, 6), None)
+    assert_scaled_close(h, h64, dtype, K_FP32, "h")
+
+
+# ---------------------------------------------------------------- bad inputs
+
+_Q = torch.zeros(4)
+_G = torch.ones(4)
+_X = torch.zeros(2, 3, 4)
+
+# (id, kwargs for attention_residual, message regex). Each category is listed in the report.
+BAD_INPUTS = {
+    "container": [
+        ("empty-list", dict(sources=[]), "at least one tensor"),
+        ("none", dict(sources=None), "sources must be a sequence"),
+        ("string", dict(sources="abc"), "sources must be a sequence"),
+        ("3d-tensor", dict(sources=_X), r"sources must be a sequence .* or one tensor \[N, B, T, D\]"),
+        ("element-not-tensor", dict(sources=[_X, [[1.0]]]), r"sources\[1\] must be a torch.Tensor"),
+    ],
+    "shape": [
+        ("2d-source", dict(sources=[torch.zeros(3, 4)]), r"sources must have shape \[B, T, D\]"),
+        ("4d-source", dict(sources=[torch.zeros(1, 2, 3, 4)]), r"sources must have shape \[B, T, D\]"),
+        ("mismatched-shapes", dict(sources=[_X, torch.zeros(2, 5, 4)]), "share shape, dtype and device"),
+        ("zero-hidden", dict(sources=[torch.zeros(2, 3, 0)], query=torch.zeros(0), key_norm_weight=torch.ones(0)),
+         "hidden size D >= 1"),
+        ("query-wrong-d", dict(query=torch.zeros(5)), r"query must have shape \[D=4\]"),
+        ("query-2d", dict(query=torch.zeros(1, 4)), r"query must have shape \[D=4\]"),
+        ("query-scalar", dict(query=torch.tensor(0.0)), r"query must have shape \[D=4\]"),
+        ("weight-wrong-d", dict(key_norm_weight=torch.ones(3)), r"key_norm_weight must have shape \[D=4\]"),
+    ],
+    "dtype": [
+        ("int-sources", dict(sources=[torch.zeros(2, 3, 4, dtype=torch.int64)]), "floating dtype"),
+        ("bool-sources", dict(sources=[torch.zeros(2, 3, 4, dtype=torch.bool)]), "floating dtype"),
+        ("complex-sources", dict(sources=[torch.zeros(2, 3, 4, dtype=torch.complex64)]), "floating dtype"),
+        ("int-query", dict(query=torch.zeros(4, dtype=torch.int32)), "query must have a floating dtype"),
+        ("int-weight", dict(key_norm_weight=torch.ones(4, dtype=torch.int64)), "key_norm_weight must have a floating"),
+        ("mixed-source-dtypes", dict(sources=[_X, _X.to(torch.bfloat16)]), "share shape, dtype and device"),
+        ("query-not-tensor", dict(query=[0.0] * 4), "query must be a torch.Tensor"),
+    ],
+    "device": [
+        ("sources-on-two-devices", dict(sources=[_X, torch.zeros(2, 3, 4, device="meta")]),
+         "share shape, dtype and device"),
+        ("query-elsewhere", dict(query=torch.zeros(4, device="meta")), "query must be on the sources' device"),
+        ("weight-elsewhere", dict(key_norm_weight=torch.ones(4, device="meta")),
+         "key_norm_weight must be on the sources' device"),
+    ],
+    "options": [
+        ("eps-zero", dict(eps=0.0), "eps must be a positive finite float"),
+        ("eps-negative", dict(eps=-1e-6), "eps must be a positive finite float"),
+        ("eps-nan", dict(eps=float("nan")), "eps must be a positive finite float"),
+        ("eps-inf", dict(eps=float("inf")), "eps must be a positive finite float"),
+        ("eps-string", dict(eps="1e-6"), "eps must be a positive finite float"),
+        ("eps-bool", dict(eps=True), "eps must be a positive finite float"),
+        ("return-weights-int", dict(return_weights=1), "return_weights must be a bool"),
+        ("backend-unknown", dict(backend="cuda"), "backend must be one of"),
+        ("backend-not-str", dict(backend=1), "backend must be one of"),
+    ],
+}
+_BAD_CASES = [(cat, *case) for cat, cases in BAD_INPUTS.items() for case in cases]
+
+
+@pytest.mark.parametrize(("category", "case_id", "kwargs", "message"), _BAD_CASES,
+                         ids=[f"{c[0]}-{c[1]}" for c in _BAD_CASES])
+def test_bad_inputs_are_rejected(category, case_id, kwargs, message):
+    args = dict(query=_Q, sources=[_X, _X], key_norm_weight=_G)
+    args.update(kwargs)
+    query, sources, weight = args.pop("query"), args.pop("sources"), args.pop("key_norm_weight")
+    with pytest.raises(ValueError, match=message):
+        attention_residual(query, sources, weight, **args)
+
+
+# ---------------------------------------------------------------- fuzz
+
+
+@st.composite
+def _cases(draw):
+    shape = (draw(st.integers(1, 3)), draw(st.integers(1, 17)), draw(st.integers(2, 40)), draw(st.integers(1, 6)))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    path = draw(st.sampled_from(["reference", "torch-list", "torch-small"]))
+    return shape, dtype, path, draw(st.booleans()), draw(st.integers(0, 2**16)), draw(st.sampled_from([0.0, 0.5, 3.0]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_cases())
+def test_fuzz_against_float64_truth(case, monkeypatch):
+    """Shapes, strides, dtypes, softmax sharpness and backends, against the float64 reference."""
+    shape, dtype, path, non_contiguous, seed, query_scale = case
+    monkeypatch.setattr(attnres, "SMALL_NUMEL", {"torch-list": -1, "torch-small": 1 << 40}.get(path, 1 << 14))
+    run_and_check(shape, dtype, path.split("-")[0], seed=seed, query_scale=query_scale,
+                  non_contiguous=non_contiguous)
