@@ -2,20 +2,27 @@
 
 from .alignment import align_first_subword, build_label_list, tokenize_and_align, word_predictions
 from .conll import ConllFormatError, read_conll, to_iob2
-from .fewshot import TrainingSize, count_entities, parse_size, sample_kshot, sample_sentences
+from .corpus import read_json_documents, read_text_documents
+from .fewshot import TrainingSize, check_pool, count_entities, parse_size, sample_kshot, sample_sentences
 from .hub import load_hub_ner, sentences_from_hf_split
+from .textfile import DataFormatError, read_text
 from .wnut import load_wnut16, wnut16_path
 
 __all__ = [
     "ConllFormatError",
+    "DataFormatError",
     "TrainingSize",
     "align_first_subword",
     "build_label_list",
+    "check_pool",
     "count_entities",
     "load_hub_ner",
     "load_wnut16",
     "parse_size",
     "read_conll",
+    "read_json_documents",
+    "read_text",
+    "read_text_documents",
     "sample_kshot",
     "sample_sentences",
     "sentences_from_hf_split",

@@ -10,16 +10,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from .textfile import DataFormatError, read_text
+
 _TAG = re.compile(r"^(O|[BI]-\S+)$")
 
 
-class ConllFormatError(ValueError):
-    """A malformed line in a CoNLL/IOB file; the message starts with ``path:line:``."""
+class ConllFormatError(DataFormatError):
+    """A malformed line in a CoNLL/IOB file (or bytes that are not UTF-8); the message starts with ``path:line:``."""
 
     def __init__(self, path: str | Path, line: int, message: str):
-        super().__init__(f"{path}:{line}: {message}")
-        self.path = str(path)
-        self.line = line
+        super().__init__(path, line, message)
 
 
 def to_iob2(tags: list[str]) -> list[str]:
@@ -42,12 +42,13 @@ def read_conll(path: str | Path, token_column: int = 0, tag_column: int = -1) ->
 
     Columns are split on tabs when the line has one, else on whitespace; the token is column
     ``token_column`` and the tag column ``tag_column`` (default: first and last, which fits both the
-    two-column WNUT format and CoNLL-03's four columns). ``-DOCSTART-`` lines are skipped.
+    two-column WNUT format and CoNLL-03's four columns). ``-DOCSTART-`` lines are skipped. The file is
+    UTF-8, with or without a byte-order mark, with Unix or Windows line ends (see ``read_text``).
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ConllFormatError: a line with fewer than two columns, an empty token, or a tag that is not
-            ``O`` / ``B-<type>`` / ``I-<type>``; the message names the file and the 1-based line.
+        ConllFormatError: bytes that are not UTF-8, a line with fewer than two columns, an empty token, or
+            a tag that is not ``O`` / ``B-<type>`` / ``I-<type>``; the message names the file and the 1-based line.
     """
     path = Path(path)
     sentences: list[dict[str, list[str]]] = []
@@ -60,25 +61,27 @@ def read_conll(path: str | Path, token_column: int = 0, tag_column: int = -1) ->
             tokens.clear()
             tags.clear()
 
-    with path.open(encoding="utf-8") as handle:
-        for number, raw in enumerate(handle, start=1):
-            line = raw.rstrip("\r\n")
-            if not line.strip():
-                flush()
-                continue
-            columns = line.split("\t") if "\t" in line else line.split()
-            if columns[0].startswith("-DOCSTART-"):
-                flush()
-                continue
-            if len(columns) < 2:
-                raise ConllFormatError(path, number, f"expected a token and a tag separated by a tab, got {line!r}")
-            token, tag = columns[token_column].strip(), columns[tag_column].strip()
-            if not token:
-                raise ConllFormatError(path, number, f"empty token in {line!r}")
-            if not _TAG.match(tag):
-                raise ConllFormatError(path, number, f"invalid tag {tag!r}; expected 'O', 'B-<type>' or 'I-<type>'")
-            tokens.append(token)
-            tags.append(tag)
+    try:
+        text = read_text(path)
+    except DataFormatError as error:
+        raise ConllFormatError(path, error.line, error.reason) from error
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            flush()
+            continue
+        columns = line.split("\t") if "\t" in line else line.split()
+        if columns[0].startswith("-DOCSTART-"):
+            flush()
+            continue
+        if len(columns) < 2:
+            raise ConllFormatError(path, number, f"expected a token and a tag separated by a tab, got {line!r}")
+        token, tag = columns[token_column].strip(), columns[tag_column].strip()
+        if not token:
+            raise ConllFormatError(path, number, f"empty token in {line!r}")
+        if not _TAG.match(tag):
+            raise ConllFormatError(path, number, f"invalid tag {tag!r}; expected 'O', 'B-<type>' or 'I-<type>'")
+        tokens.append(token)
+        tags.append(tag)
     flush()
     return sentences
 

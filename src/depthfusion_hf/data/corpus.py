@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from .textfile import DataFormatError, read_text
+
 BUILTIN_CORPUS = "kjv"
 
 
@@ -40,24 +42,69 @@ def load_kjv_chapters() -> list[str]:
     return [" ".join(verses) for verses in chapters.values()]
 
 
+def _json_text(path: Path, where: int, row: object, text_column: str, line_numbers: bool) -> str | None:
+    """The text of one JSON record, ``None`` for a blank one; DataFormatError for anything else."""
+    line, label = (where, "") if line_numbers else (None, f"record {where}: ")
+    if not isinstance(row, dict) or text_column not in row:
+        raise DataFormatError(path, line, f"{label}record has no {text_column!r} field (use --text_column)")
+    text = row[text_column]
+    if not isinstance(text, str):
+        raise DataFormatError(
+            path, line, f"{label}the {text_column!r} field must be a string; got {type(text).__name__} ({text!r:.40})"
+        )
+    return text if text.strip() else None
+
+
+def read_json_documents(path: str | os.PathLike, text_column: str = "text") -> list[str]:
+    """Documents from a ``.json`` file (an array of objects) or ``.jsonl`` file (one object a line).
+
+    Each record's ``text_column`` field is one document. Records whose text is empty or only whitespace are
+    skipped (they are no document); a record that is not an object, lacks the field, or has a field that is
+    not a string (``null``, a number, a list) is an error, never a ``"None"`` document.
+
+    Raises:
+        DataFormatError: bad UTF-8, invalid JSON, or a bad record; names the file and the line (JSONL) or
+            the record number (a JSON array).
+    """
+    path = Path(path)
+    text = read_text(path)
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise DataFormatError(path, error.lineno, f"invalid JSON: {error.msg} (column {error.colno})") from error
+        if not isinstance(rows, list):
+            raise DataFormatError(path, None, f"expected a JSON array of objects; got {type(rows).__name__}")
+        texts = (_json_text(path, n, row, text_column, False) for n, row in enumerate(rows, start=1))
+        return [t for t in texts if t is not None]
+    documents = []
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataFormatError(path, number, f"invalid JSON: {error.msg} (column {error.colno})") from error
+        document = _json_text(path, number, row, text_column, True)
+        if document is not None:
+            documents.append(document)
+    return documents
+
+
+def read_text_documents(path: str | os.PathLike) -> list[str]:
+    """Documents from a ``.txt`` / ``.md`` file: its blank-line separated paragraphs, stripped.
+
+    UTF-8 with or without a byte-order mark, Unix or Windows line ends (see :func:`read_text`).
+    """
+    return [p.strip() for p in read_text(path).split("\n\n") if p.strip()]
+
+
 def _read_local_file(path: Path, text_column: str) -> list[str]:
-    if not path.exists():
-        raise FileNotFoundError(f"data file not found: {path}")
     suffix = path.suffix.lower()
     if suffix in (".json", ".jsonl"):
-        texts = []
-        with open(path, encoding="utf-8") as handle:
-            head = handle.read(1)
-            handle.seek(0)
-            rows = json.load(handle) if head == "[" else (json.loads(line) for line in handle if line.strip())
-            for n, row in enumerate(rows, start=1):
-                if not isinstance(row, dict) or text_column not in row:
-                    raise ValueError(f"{path}: record {n} has no {text_column!r} field (use --text_column)")
-                texts.append(str(row[text_column]))
-        return texts
+        return read_json_documents(path, text_column)
     if suffix in (".txt", ".md", ""):
-        # Paragraphs (blank-line separated) are the documents.
-        return [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+        return read_text_documents(path)
     raise ValueError(f"{path}: unsupported data file type {suffix!r}; allowed: .txt, .md, .json, .jsonl")
 
 
@@ -73,7 +120,11 @@ def load_documents(
     Args:
         dataset: ``"kjv"`` (built-in, the default when nothing is given) or a Hub dataset id
             (needs network access, loaded with ``datasets.load_dataset``).
-        files: local ``.txt``/``.md`` (paragraphs are documents) or ``.json``/``.jsonl`` files.
+        files: local ``.txt``/``.md`` (paragraphs are documents) or ``.json``/``.jsonl`` files, read by
+            :func:`read_text_documents` / :func:`read_json_documents` (UTF-8, BOM and Windows line ends
+            accepted; bad bytes, bad JSON and non-string texts are errors naming the file and line).
+            ``datasets.load_dataset("json")`` is not used for them: it names neither file nor line on
+            such errors and keeps ``null`` / numeric texts.
         text_column: the text field in JSON records and Hub datasets.
         dataset_config: the Hub dataset's configuration name.
         split: the Hub dataset split.
@@ -160,6 +211,8 @@ __all__ = [
     "kjv_path",
     "load_kjv_chapters",
     "load_documents",
+    "read_json_documents",
+    "read_text_documents",
     "split_documents",
     "train_bpe_tokenizer",
     "pack_into_blocks",

@@ -43,8 +43,28 @@ def count_entities(sentences: list[Sentence]) -> Counter:
     return counts
 
 
+def check_pool(sentences: list[Sentence]) -> None:
+    """Raise a ValueError unless ``sentences`` holds at least one entity mention to learn from.
+
+    An empty pool (an empty or all-blank training file) or one whose tags are all ``O`` would hand the
+    Trainer a training set with nothing to learn; the samplers refuse both, saying which it is.
+    """
+    if not sentences:
+        raise ValueError("the training pool is empty: no sentence was read (is the training file empty?)")
+    if not count_entities(sentences):
+        raise ValueError(
+            f"the training pool of {len(sentences)} sentences has no entity mention (every tag is 'O'): "
+            "no few-shot training set can be drawn from it"
+        )
+
+
 def sample_sentences(sentences: list[Sentence], n: int, seed: int) -> list[Sentence]:
-    """``n`` distinct sentences drawn uniformly with ``random.Random(seed)`` (same seed, same sample)."""
+    """``n`` distinct sentences drawn uniformly with ``random.Random(seed)`` (same seed, same sample).
+
+    Raises ValueError for a pool that is empty or has no entity mention (:func:`check_pool`), or ``n``
+    outside ``[1, len(sentences)]``.
+    """
+    check_pool(sentences)
     if not 1 <= n <= len(sentences):
         raise ValueError(f"cannot sample n={n} sentences from a pool of {len(sentences)}")
     return [sentences[i] for i in random.Random(seed).sample(range(len(sentences)), n)]
@@ -58,11 +78,15 @@ def sample_kshot(sentences: list[Sentence], k: int, seed: int, entity_types: lis
     sentence whose removal leaves all types at ``>= k``. Sentences without entities are never chosen.
     ``entity_types`` defaults to all types in ``sentences``.
 
-    Raises ValueError when the pool holds fewer than ``k`` mentions of some type.
+    Raises ValueError for a pool that is empty or has no entity mention (:func:`check_pool`), an empty
+    ``entity_types``, or a pool with fewer than ``k`` mentions of some type.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1; got {k}")
+    check_pool(sentences)
     types = sorted(entity_types if entity_types is not None else count_entities(sentences))
+    if not types:
+        raise ValueError("entity_types is empty: a K-shot set needs at least one entity type")
     available = count_entities(sentences)
     short = [t for t in types if available[t] < k]
     if short:
@@ -86,4 +110,4 @@ def sample_kshot(sentences: list[Sentence], k: int, seed: int, entity_types: lis
     return [sentences[i] for i in chosen]
 
 
-__all__ = ["TrainingSize", "count_entities", "parse_size", "sample_kshot", "sample_sentences"]
+__all__ = ["TrainingSize", "check_pool", "count_entities", "parse_size", "sample_kshot", "sample_sentences"]
