@@ -25,7 +25,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from . import convert, plotting
+from . import convert, plotting, plotting_attnres
+from .models.attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
 from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
 from .models.dwatt import DWAttConfig, DWAttForTokenClassification
 from .models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
@@ -147,6 +148,42 @@ def _moda_card_values(model: PreTrainedModel) -> dict[str, Any]:
     )
 
 
+def _attnres_block_size(text: str) -> int | None:
+    """``--attnres_block_size``: an integer S (block AttnRes) or ``none`` / ``full`` (full AttnRes)."""
+    return None if text.lower() in ("none", "full") else int(text)
+
+
+def _attnres_cli(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("attnres")
+    group.add_argument("--attnres_block_size", type=_attnres_block_size, default=None,
+                       help="AttnRes: sub-layers per block (block AttnRes); 'full' or omitted: full AttnRes")
+
+
+def _attnres_name(config: PretrainedConfig) -> str:
+    """``"attnres full"`` or ``"attnres block 4"`` (blocks of 4 sub-layers)."""
+    block = config.attnres_block_size
+    return "attnres full" if block is None else f"attnres block {block}"
+
+
+def _attnres_card_values(model: PreTrainedModel) -> dict[str, Any]:
+    config = model.config
+    block = config.attnres_block_size
+    if block is None:
+        variant = "full AttnRes, every sub-layer reads the embedding and every earlier sub-layer output"
+    else:
+        variant = (f"block AttnRes, {config.num_blocks} blocks of {block} sub-layers; a sub-layer reads the "
+                   "embedding, the earlier blocks' sums and the running sum of its own block")
+    return _decoder_card_values(config) | dict(
+        attnres_block_size=block,
+        attnres_variant=variant,
+        attnres_variant_short="full" if block is None else f"block {block}",
+        num_sublayers=config.num_sublayers,
+        num_sources=config.num_blocks + 1,
+        num_attnres_params=f"{2 * config.num_sublayers * config.hidden_size:,}",
+        depth_weights_shape=f"[{config.num_sublayers + 1}, {config.num_blocks + 1}]",
+    )
+
+
 def _dwatt_card_values(model: PreTrainedModel) -> dict[str, Any]:
     config = model.config
     backbone = config.backbone_config
@@ -206,6 +243,23 @@ FAMILIES: Mapping[str, Family] = {
             config_kwargs=lambda args: {"moda_ffn_kv": args.moda_ffn_kv, "norm_position": args.norm_position},
             analysis_plot=plotting.plot_moda_analysis,
             from_llama=convert.llama_to_moda,
+        ),
+        Family(
+            model_type="attnres",
+            title="AttnRes",
+            config_class=AttnResConfig,
+            task_model_class=AttnResForCausalLM,
+            task_auto_class=AutoModelForCausalLM,
+            base_model_class=AttnResModel,
+            pipeline_tag="text-generation",
+            card_template="attnres.md",
+            default_dataset="kjv",
+            variant_name=_attnres_name,
+            card_values=_attnres_card_values,
+            add_cli_options=_attnres_cli,
+            config_kwargs=lambda args: {"attnres_block_size": args.attnres_block_size},
+            analysis_plot=plotting_attnres.plot_attnres_analysis,
+            from_llama=convert.llama_to_attnres,
         ),
         Family(
             model_type="dwatt",
