@@ -8,6 +8,7 @@ works without remote code.
 from transformers import AutoConfig, AutoModel
 
 from .families import FAMILIES, Family, get_family
+from .models.attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
 from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
 from .models.dwatt import DWAttConfig, DWAttForTokenClassification
 from .models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
@@ -37,4 +38,7 @@ __all__ = [
     "MoDAModel",
     "DWAttConfig",
     "DWAttForTokenClassification",
+    "AttnResConfig",
+    "AttnResForCausalLM",
+    "AttnResModel",
 ]
