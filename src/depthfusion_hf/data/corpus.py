@@ -42,15 +42,16 @@ def load_kjv_chapters() -> list[str]:
     return [" ".join(verses) for verses in chapters.values()]
 
 
-def _json_text(path: Path, where: int, row: object, text_column: str, line_numbers: bool) -> str | None:
-    """The text of one JSON record, ``None`` for a blank one; DataFormatError for anything else."""
-    line, label = (where, "") if line_numbers else (None, f"record {where}: ")
+def _json_text(path: Path, line: int | None, record: int, row: object, text_column: str) -> str | None:
+    """The text of JSON record number ``record`` (on ``line`` for JSONL), ``None`` for a blank one;
+    DataFormatError for anything else."""
     if not isinstance(row, dict) or text_column not in row:
-        raise DataFormatError(path, line, f"{label}record has no {text_column!r} field (use --text_column)")
+        raise DataFormatError(path, line, f"record {record} has no {text_column!r} field (use --text_column)")
     text = row[text_column]
     if not isinstance(text, str):
         raise DataFormatError(
-            path, line, f"{label}the {text_column!r} field must be a string; got {type(text).__name__} ({text!r:.40})"
+            path, line,
+            f"record {record}: the {text_column!r} field must be a string; got {type(text).__name__} ({text!r:.40})",
         )
     return text if text.strip() else None
 
@@ -75,17 +76,19 @@ def read_json_documents(path: str | os.PathLike, text_column: str = "text") -> l
             raise DataFormatError(path, error.lineno, f"invalid JSON: {error.msg} (column {error.colno})") from error
         if not isinstance(rows, list):
             raise DataFormatError(path, None, f"expected a JSON array of objects; got {type(rows).__name__}")
-        texts = (_json_text(path, n, row, text_column, False) for n, row in enumerate(rows, start=1))
+        texts = (_json_text(path, None, n, row, text_column) for n, row in enumerate(rows, start=1))
         return [t for t in texts if t is not None]
     documents = []
+    record = 0
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
+        record += 1
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
             raise DataFormatError(path, number, f"invalid JSON: {error.msg} (column {error.colno})") from error
-        document = _json_text(path, number, row, text_column, True)
+        document = _json_text(path, number, record, row, text_column)
         if document is not None:
             documents.append(document)
     return documents
