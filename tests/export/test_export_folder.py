@@ -13,12 +13,13 @@ from huggingface_hub import ModelCard, metadata_load
 from transformers import GenerationConfig
 
 from depthfusion_hf.export import (
-    PIPELINE_TAGS,
     check_export_folder,
     export_model,
     push_folder_to_hub,
     save_remote_code_folder,
 )
+from depthfusion_hf.families import FAMILIES
+from depthfusion_hf.safe_folder import MARKER, read_marker
 
 from .builders import tiny_denseformer
 
@@ -42,10 +43,12 @@ def test_export_folder_is_complete(exported, family):
     assert (folder / "tokenizer.json").is_file()
     assert (folder / "generation_config.json").is_file() == (family != "dwatt")
     assert not list(folder.parent.glob(".*tmp-*")) and not list(folder.parent.glob(".*.old-*"))
+    listed = read_marker(folder)["files"]  # the export lists every file it wrote, and only those
+    assert listed == sorted(p.name for p in folder.iterdir() if p.name != MARKER)
 
     card_text = (folder / "README.md").read_text()
     meta = metadata_load(folder / "README.md")
-    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == PIPELINE_TAGS[family]
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == FAMILIES[family].pipeline_tag
     assert {"custom_code", family} <= set(meta["tags"])
     assert "model-index" not in meta  # no results were given, so none are claimed
     assert re.search(r"\{\{\s*\w+\s*\}\}", card_text) is None  # every placeholder filled

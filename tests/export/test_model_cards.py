@@ -12,7 +12,8 @@ import textwrap
 import pytest
 from huggingface_hub import ModelCard, metadata_load
 
-from depthfusion_hf.export import PIPELINE_TAGS, build_model_card, default_model_cards_dir, render_template
+from depthfusion_hf.export import build_model_card, default_model_cards_dir, render_template
+from depthfusion_hf.families import get_family
 
 FAMILIES = ("denseformer", "moda", "dwatt")
 ARXIV = {"denseformer": "2402.02622", "moda": "2603.15619", "dwatt": "2209.15168"}
@@ -21,10 +22,10 @@ PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_template_has_valid_hub_metadata_citation_and_limitations(family):
-    path = default_model_cards_dir() / f"{family}.md"
+    path = default_model_cards_dir() / get_family(family).card_template
     meta = metadata_load(path)
     assert meta["library_name"] == "transformers"
-    assert meta["pipeline_tag"] == PIPELINE_TAGS[family]
+    assert meta["pipeline_tag"] == get_family(family).pipeline_tag
     assert {"custom_code", family} <= set(meta["tags"])
     assert meta["license"] == "apache-2.0" and meta["datasets"]
     text = path.read_text()
