@@ -13,8 +13,9 @@ Steps:
    (identical logits), merged with ``merge_and_unload`` (the same logits, a plain DenseFormer again)
    and the merged model saved as an ordinary checkpoint.
 
-Everything goes to ``--output_dir`` (default ``./lora_denseformer``): ``base/``, ``adapter/``, ``merged/``
-and ``summary.json``.
+Everything goes to ``--output_dir`` (default ``outputs/lora_denseformer``, a folder ``.gitignore`` covers, so
+a run from the repository root leaves the checkout clean): ``base/``, ``adapter/``, ``merged/`` and
+``summary.json``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default=None, help="a saved DenseFormer folder with a tokenizer (default: pre-train one)")
-    p.add_argument("--output_dir", default="lora_denseformer")
+    p.add_argument("--output_dir", default="outputs/lora_denseformer")
     p.add_argument("--pretrain_steps", type=int, default=60)
     p.add_argument("--lora_steps", type=int, default=40)
     p.add_argument("--block_size", type=int, default=64)

@@ -1,8 +1,11 @@
-"""Every script in examples/ runs to completion as a user would run it: a subprocess, offline, from another
-directory, on CPU. The list is globbed, so examples added by anyone are covered."""
+"""Every script in examples/ runs to completion as a user would run it: a subprocess, offline, on CPU, from the
+root of a checkout (a fresh git repository holding examples/ and the project's .gitignore, nothing else), and
+leaves that checkout clean: nothing written outside the ignored outputs/ folder or a temporary directory. The
+list is globbed, so examples added by anyone are covered."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -10,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.py"))
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 # what the examples written alongside the export work must print (others' examples: exit status only)
 EXPECTED_OUTPUT = {
     "quickstart.py": ["save_pretrained -> from_pretrained (DenseFormerForCausalLM): max |Δlogits| = 0.0e+00",
@@ -29,17 +33,49 @@ def test_examples_folder_is_populated():
     assert set(EXPECTED_OUTPUT) <= names
 
 
+def git(checkout: Path, *args: str) -> str:
+    """Run git in ``checkout`` (no user config needed) and return its stdout."""
+    command = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "-c", "init.defaultBranch=main",
+               *args]
+    return subprocess.run(command, cwd=checkout, check=True, capture_output=True, text=True).stdout
+
+
+def fresh_checkout(folder: Path) -> Path:
+    """A committed git repository at ``folder`` holding a copy of examples/ and the project's .gitignore."""
+    folder.mkdir()
+    shutil.copytree(ROOT / "examples", folder / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".gitignore", folder / ".gitignore")
+    git(folder, "init", "-q")
+    git(folder, "add", "-A")
+    git(folder, "commit", "-q", "-m", "checkout")
+    return folder
+
+
+def test_gitignore_covers_the_examples_output_folder(tmp_path):
+    checkout = fresh_checkout(tmp_path / "checkout")
+    (checkout / "outputs" / "lora_denseformer").mkdir(parents=True)
+    (checkout / "outputs" / "lora_denseformer" / "summary.json").write_text("{}")
+    (checkout / "stray.txt").write_text("x")  # the check below does see files written elsewhere
+    assert git(checkout, "status", "--porcelain", "--untracked-files=all").split() == ["??", "stray.txt"]
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("path", EXAMPLES, ids=[path.name for path in EXAMPLES])
 def test_example_runs(path, tmp_path):
+    checkout = fresh_checkout(tmp_path / "checkout")
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf_home"), "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false",
-           "HOME": str(tmp_path), "MPLBACKEND": "Agg"}
+           "HOME": str(tmp_path), "MPLBACKEND": "Agg", "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    proc = subprocess.run([sys.executable, str(Path("examples") / path.name)], cwd=checkout, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
     seconds = time.perf_counter() - start
     print(f"{path.name}: {seconds:.1f} s")
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     for needle in EXPECTED_OUTPUT.get(path.name, []):
         assert needle in proc.stdout, f"{path.name}: {needle!r} not in its output:\n{proc.stdout[-3000:]}"
+    status = git(checkout, "status", "--porcelain", "--untracked-files=all")
+    assert status == "", f"{path.name} left files in the checkout it was run from:\n{status}"
+    ignored = git(checkout, "status", "--porcelain", "--ignored", "--untracked-files=all").splitlines()
+    outside = [line for line in ignored if not line[3:].startswith("outputs/")]
+    assert not outside, f"{path.name} wrote ignored files outside outputs/: {outside}"
