@@ -295,3 +295,24 @@ def test_config_round_trips_through_json(tmp_path):
     loaded = AttnResConfig.from_pretrained(tmp_path)
     assert loaded.attnres_block_size == 5 and loaded.model_type == "attnres"
     assert AttnResConfig.from_pretrained(tmp_path, attnres_block_size=None).attnres_block_size is None
+
+
+def test_device_map_auto_and_disk_offload_give_the_same_logits(tmp_path):
+    """accelerate's hooks wrap each decoder layer, whose depth-state inputs are positional: they must pass through."""
+    from transformers import AutoModelForCausalLM
+
+    model = AttnResForCausalLM(tiny_config(attnres_block_size=3)).eval()
+    randomise_attnres(model)
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        expected = AttnResForCausalLM.from_pretrained(tmp_path / "model").eval()(ids).logits
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map="auto",
+                                                     max_memory={"cpu": size // 2},
+                                                     offload_folder=str(tmp_path / "offload")).eval()
+    assert "disk" in set(offloaded.hf_device_map.values())
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(offloaded.depth_attention_weights(ids),
+                                   model.depth_attention_weights(ids), rtol=1e-5, atol=1e-6)

@@ -65,16 +65,23 @@ def add_to_depth_state(sources: tuple[torch.Tensor, ...], output: torch.Tensor, 
     return (*sources[:-1], sources[-1] + output)
 
 
-def backend_for(backends: dict[torch.device, str] | None, device: torch.device) -> str | None:
-    """The op backend for ``device``, resolved at most once per forward (``backends`` is that forward's cache).
+class AttnResForwardState:
+    """Per-forward bookkeeping the decoder layers share: the op backend resolved once per device, and (when
+    asked) the list every AttnRes call appends its softmax weights to.
 
-    ``None`` (a layer called outside the model's forward) lets the public op validate and resolve.
+    A plain object on purpose: accelerate's device hooks copy lists and dicts found in a layer's arguments,
+    but pass other objects through by reference, so the layers of an offloaded model still share this one.
     """
-    if backends is None:
-        return None
-    if device not in backends:
-        backends[device] = resolve_backend(None, device)
-    return backends[device]
+
+    def __init__(self, record_weights: bool = False):
+        self.backends: dict[torch.device, str] = {}
+        self.depth_weights: list[torch.Tensor] | None = [] if record_weights else None
+
+    def backend(self, device: torch.device) -> str:
+        """The op backend for ``device``, resolved on first use (``$DEPTHFUSION_BACKEND`` or automatic)."""
+        if device not in self.backends:
+            self.backends[device] = resolve_backend(None, device)
+        return self.backends[device]
 
 
 # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.check_token_inputs
@@ -125,25 +132,20 @@ class AttnResMix(nn.Module):
         self,
         sources: tuple[torch.Tensor, ...],
         backend: str | None = None,
-        weights_out: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Mix ``sources`` (N tensors [B, T, D]) into h [B, T, D].
+        return_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Mix ``sources`` (N tensors [B, T, D]) into h [B, T, D] (and alpha [B, T, N] float32 if asked).
 
         Args:
             backend: a backend already resolved by ``resolve_backend`` (the model resolves once per forward
                 and device); None validates and resolves like the public op.
-            weights_out: when a list, the softmax weights alpha [B, T, N] (float32) are appended to it.
+            return_weights: also return the softmax weights alpha.
         """
-        want = weights_out is not None
         if backend is None:
-            out = attention_residual(self.query, sources, self.key_norm_weight, eps=self.eps, return_weights=want)
-        else:
-            out = attention_residual_with_backend(self.query, sources, self.key_norm_weight, self.eps, want, backend)
-        if not want:
-            return out
-        hidden, alpha = out
-        weights_out.append(alpha)
-        return hidden
+            return attention_residual(self.query, sources, self.key_norm_weight, eps=self.eps,
+                                      return_weights=return_weights)
+        return attention_residual_with_backend(self.query, sources, self.key_norm_weight, self.eps, return_weights,
+                                               backend)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.query.numel()}, eps={self.eps}"
@@ -176,8 +178,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        backends: dict[torch.device, str] | None = None,
-        depth_weights: list[torch.Tensor] | None = None,
+        attnres_state: AttnResForwardState | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, ...]:
         """Run the attention and MLP sub-layers.
@@ -186,13 +187,14 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             hidden_states: h, the attention sub-layer's input [B, T, D] (the previous layer's output).
             sources: the depth state h was mixed from, each [B, T, D] (positional, so that reentrant
                 gradient checkpointing passes their gradients).
-            backends: the forward's per-device backend cache (see :func:`backend_for`).
-            depth_weights: when a list, each AttnRes call appends its softmax weights [B, T, N].
+            attnres_state: the model forward's shared state (resolved backends, the softmax-weight record);
+                None (a layer called on its own) lets the public op validate and resolve.
         Returns:
             ``(output, *new_sources)``: the layer output [B, T, D] (the next layer's input, or h_final) and the
             depth state grown by this layer's two sub-layer outputs.
         """
-        backend = backend_for(backends, hidden_states.device)
+        backend = attnres_state.backend(hidden_states.device) if attnres_state is not None else None
+        record = attnres_state.depth_weights if attnres_state is not None else None
         attn_out, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -203,11 +205,20 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             **kwargs,
         )
         sources = add_to_depth_state(sources, attn_out, self.attn_starts_block)
-        hidden_states = self.mlp_res(sources, backend, depth_weights)  # differs from Llama: residual + attn_out
+        hidden_states = self._mix(self.mlp_res, sources, backend, record)  # differs from Llama: residual + attn_out
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
         sources = add_to_depth_state(sources, mlp_out, self.mlp_starts_block)
-        hidden_states = self.output_res(sources, backend, depth_weights)  # differs from Llama: residual + mlp_out
+        hidden_states = self._mix(self.output_res, sources, backend, record)  # differs from Llama: residual + mlp_out
         return (hidden_states, *sources)
+
+    @staticmethod
+    def _mix(mix: AttnResMix, sources, backend: str | None, record: list[torch.Tensor] | None) -> torch.Tensor:
+        """Run one AttnRes call; append its softmax weights to ``record`` when it is a list."""
+        if record is None:
+            return mix(sources, backend)
+        hidden, alpha = mix(sources, backend, return_weights=True)
+        record.append(alpha)
+        return hidden
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -324,8 +335,8 @@ class AttnResModel(AttnResPreTrainedModel):
 
         # Differs from Llama: the depth state starts as (v_0,); sub-layer 1's AttnRes over it is v_0 itself.
         sources: tuple[torch.Tensor, ...] = (inputs_embeds,)
-        backends: dict[torch.device, str] = {}  # resolved once per device and forward, not per AttnRes call
-        depth_weights: list[torch.Tensor] | None = [] if output_depth_weights else None
+        # backends resolved once per device and forward (not per AttnRes call); the softmax weights if asked
+        state = AttnResForwardState(record_weights=output_depth_weights)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, *sources = decoder_layer(
                 hidden_states,
@@ -335,8 +346,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
-                backends=backends,
-                depth_weights=depth_weights,
+                attnres_state=state,
                 **kwargs,
             )
 
@@ -344,7 +354,7 @@ class AttnResModel(AttnResPreTrainedModel):
         return AttnResModelOutputWithPast(
             last_hidden_state=hidden_states,
             cache=cache,
-            depth_weights=tuple(depth_weights) if depth_weights is not None else None,
+            depth_weights=tuple(state.depth_weights) if output_depth_weights else None,
         )
 
     @torch.no_grad()
@@ -475,6 +485,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 __all__ = [
     "AttnResDecoderLayer",
     "AttnResForCausalLM",
+    "AttnResForwardState",
     "AttnResMix",
     "AttnResModel",
     "AttnResModelOutputWithPast",
