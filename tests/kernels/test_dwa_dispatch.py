@@ -67,8 +67,32 @@ def test_environment_variable_forces_backend(monkeypatch):
     assert calls == ["reference", "torch"]
     monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
     monkeypatch.setattr(dwa, "dwa_triton_forward_backward_available", lambda: True)
+    monkeypatch.setattr(dwa, "dwa_triton_runs_on", lambda device: True)
     depth_weighted_average([torch.randn(4)], torch.randn(1))
     assert calls[-1] == "triton"
+
+
+def test_triton_on_a_device_it_cannot_run_on(no_env, monkeypatch):
+    """Triton available (a CUDA machine) but CPU tensors without the interpreter: a clear error, no crash."""
+    monkeypatch.setattr(dwa, "dwa_triton_forward_backward_available", lambda: True)
+    monkeypatch.setattr(dwa, "dwa_triton_runs_on", lambda device: device.type == "cuda")
+    with pytest.raises(ValueError, match="runs on CUDA tensors.*got device cpu"):
+        depth_weighted_average([torch.randn(4)], torch.randn(1), backend="triton")
+    assert resolve_backend(None, CPU) == "torch"
+
+
+def test_float64_on_the_triton_backend_takes_the_torch_path(no_env, monkeypatch):
+    """The dispatcher, not the kernel, routes float64 (which the kernel does not compute) to PyTorch."""
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(dwa, "dwa_triton_forward_backward_available", lambda: True)
+    monkeypatch.setattr(dwa, "dwa_triton_runs_on", lambda device: True)
+    x, w = [torch.randn(5, dtype=torch.float64) for _ in range(2)], torch.randn(2, dtype=torch.float64)
+    y = depth_weighted_average(x, w, backend="triton")
+    assert calls == ["torch"]
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, w[0] * x[0] + w[1] * x[1], rtol=1e-15, atol=1e-15)
+    depth_weighted_average([t.float() for t in x], w.float(), backend="triton")
+    assert calls == ["torch", "triton"]
 
 
 def test_unknown_backend_names_the_allowed_values(no_env, monkeypatch):

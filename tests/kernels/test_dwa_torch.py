@@ -10,7 +10,9 @@ from depthfusion_hf.models.denseformer.dwa import DepthWeightedAverageRun, depth
 from tests.kernels._dwa_cases import (
     CHAINS,
     SHAPES,
+    TOL,
     assert_matches_reference,
+    assert_second_order_matches_reference,
     chain_inputs,
     dense_chain_loss,
     make_inputs,
@@ -67,6 +69,14 @@ def test_gradcheck_float64():
     sources, weights = make_inputs(4, (3, 5), torch.float64, "cpu")
     assert torch.autograd.gradcheck(lambda w, *xs: dwa_torch(list(xs), w), (weights, *sources))
     assert torch.autograd.gradgradcheck(lambda w, *xs: dwa_torch(list(xs), w), (weights, *sources))
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_second_order_gradients(backend, dtype):
+    """create_graph=True through the backward (gradient penalties): the definition's second derivatives."""
+    assert_second_order_matches_reference(lambda s, w: depth_weighted_average(s, w, backend=backend), dtype, "cpu",
+                                          TOL[dtype])
 
 
 def test_gradcheck_float64_stacked_and_non_contiguous():

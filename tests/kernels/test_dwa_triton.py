@@ -13,7 +13,9 @@ import torch
 from tests.kernels._dwa_cases import (
     CHAINS,
     SHAPES,
+    TOL,
     assert_matches_reference,
+    assert_second_order_matches_reference,
     chain_inputs,
     dense_chain_loss,
     make_inputs,
@@ -129,16 +131,33 @@ def test_matches_torch_backend_bf16():
         assert rel_rms(a, b) <= tol
 
 
-def test_bf16_weights_and_fp64_rejected():
+def test_bf16_weights():
     sources, _ = make_inputs(2, (9,), torch.float32, DEVICE)
     weights = torch.tensor([0.5, -1.25], device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     y = depth_weighted_average(sources, weights, backend="triton")
     torch.testing.assert_close(y, 0.5 * sources[0].detach() - 1.25 * sources[1].detach())
     (dw,) = torch.autograd.grad(y, [weights], torch.ones_like(y))
     assert dw.dtype == torch.bfloat16
+
+
+def test_float64_is_routed_to_pytorch_by_the_dispatcher():
+    """The kernel rejects float64; the op (and the model's core) computes it on the PyTorch path."""
+    sources, weights = make_inputs(3, (4, 9), torch.float64, DEVICE)
     with pytest.raises(ValueError, match="Triton DWA supports"):
-        depth_weighted_average([torch.ones(3, dtype=torch.float64, device=DEVICE)],
-                               torch.ones(1, dtype=torch.float64, device=DEVICE), backend="triton")
+        dwa_triton.triton_depth_weighted_average(sources, weights)
+    y = depth_weighted_average(sources, weights, backend="triton")
+    grad_out = torch.randn(4, 9, dtype=torch.float64, device=DEVICE)
+    grads = torch.autograd.grad(y, [weights, *sources], grad_out)
+    assert_matches_reference(y, grads, sources, weights, grad_out)
+    assert torch.autograd.gradgradcheck(lambda w, *xs: depth_weighted_average(list(xs), w, backend="triton"),
+                                        (weights, *sources))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_second_order_gradients(dtype):
+    """create_graph=True: the kernel's backward records nothing, so it is rebuilt from PyTorch ops."""
+    assert_second_order_matches_reference(lambda s, w: depth_weighted_average(s, w, backend="triton"), dtype,
+                                          DEVICE, TOL[dtype])
 
 
 @pytest.mark.parametrize(("depth", "dilation", "period"), CHAINS)

@@ -11,6 +11,12 @@ Three implementations behind :func:`depth_weighted_average`, one signature:
 The backend is chosen by the ``backend`` argument, else the ``DEPTHFUSION_BACKEND`` environment
 variable, else automatically (Triton for CUDA tensors when available, PyTorch otherwise).
 
+One convention for every op of the package: the public :func:`depth_weighted_average` validates its
+inputs and resolves the backend; a model resolves the backend once per forward pass and device
+(:func:`resolve_backend`) and calls the unvalidated core :func:`dwa_with_backend`, which routes the
+inputs a kernel cannot compute (float64 on the Triton backend) to the PyTorch path. Every path
+supports second-order gradients (``create_graph=True``).
+
 This file must stay self-contained (only ``torch`` and same-folder relative imports): it is
 copied next to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
 """
@@ -24,11 +30,14 @@ import torch
 
 try:  # Triton is optional: the model loads and runs without it.
     from .dwa_triton import (
+        TRITON_DWA_DTYPES,
         dwa_triton_forward_backward_available,
+        dwa_triton_runs_on,
         triton_depth_weighted_average,
         triton_dwa_weight_grad,
     )
 except Exception:  # pragma: no cover - depends on the environment
+    TRITON_DWA_DTYPES = ()
     triton_depth_weighted_average = None
     triton_dwa_weight_grad = None
 
@@ -36,15 +45,30 @@ except Exception:  # pragma: no cover - depends on the environment
         """Triton could not be imported: the fused kernel is unavailable."""
         return False
 
+    def dwa_triton_runs_on(device: torch.device) -> bool:
+        """Triton could not be imported: the fused kernel runs nowhere."""
+        return False
+
 
 BACKENDS = ("reference", "torch", "triton")
 BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
+# The dtypes every path computes correctly (states and weights); others are rejected, not rounded.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """Pick the implementation: explicit argument, else ``$DEPTHFUSION_BACKEND``, else automatic.
 
     Automatic means Triton for CUDA tensors when the kernel imports, PyTorch otherwise.
+
+    Args:
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
+        device: the device of the states.
+    Returns:
+        ``"reference"``, ``"torch"`` or ``"triton"``.
+    Raises:
+        ValueError: for an unknown name, or ``"triton"`` where the kernel cannot run (no Triton, or
+            tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
     """
     choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
     choice = choice.lower()
@@ -55,6 +79,10 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
     if choice == "triton" and not dwa_triton_forward_backward_available():
         raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
+    if choice == "triton" and not dwa_triton_runs_on(device):
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
+        )
     return choice
 
 
@@ -63,12 +91,19 @@ def _as_list(states: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor
         if states.dim() < 1:
             raise ValueError("states must have shape [N, *S]; got a 0-d tensor")
         return list(states.unbind(0))
-    return list(states)
+    sources = list(states)
+    for n, x in enumerate(sources):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"states must be a tensor [N, *S] or a sequence of tensors; states[{n}] is {type(x)}")
+    return sources
 
 
 def _check_inputs(sources: list[torch.Tensor], weights: torch.Tensor) -> None:
+    """Raise a ValueError naming the problem unless the inputs are ones every backend computes correctly."""
     if len(sources) == 0:
         raise ValueError("states must hold at least one tensor (N >= 1)")
+    if not isinstance(weights, torch.Tensor):
+        raise ValueError(f"weights must be a tensor of shape [N]; got {type(weights)}")
     if weights.dim() != 1 or weights.shape[0] != len(sources):
         raise ValueError(
             f"weights must have shape [N] with N = number of states ({len(sources)}); got {tuple(weights.shape)}"
@@ -80,8 +115,12 @@ def _check_inputs(sources: list[torch.Tensor], weights: torch.Tensor) -> None:
                 f"all states must share shape, dtype and device; states[0] is {tuple(first.shape)} "
                 f"{first.dtype} {first.device}, states[{n}] is {tuple(x.shape)} {x.dtype} {x.device}"
             )
-    if not weights.is_floating_point():
-        raise ValueError(f"weights must be a floating-point tensor; got {weights.dtype}")
+    if first.dtype not in DTYPES:
+        raise ValueError(f"states must have a floating-point dtype in {DTYPES}; got {first.dtype}")
+    if weights.dtype not in DTYPES:
+        raise ValueError(f"weights must be a floating-point tensor with a dtype in {DTYPES}; got {weights.dtype}")
+    if weights.device != first.device:
+        raise ValueError(f"weights must be on the states' device {first.device}; got {weights.device}")
 
 
 def dwa_reference(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
@@ -205,14 +244,20 @@ def depth_weighted_average(
     """Depth-Weighted Average: ``sum_n weights[n] * states[n]``, differentiable in both.
 
     Args:
-        states: a tensor [N, *S] or a sequence of N tensors of shape S (same dtype and device).
-        weights: [N] floating-point weights.
+        states: a tensor [N, *S] or a sequence of N tensors of shape S (same dtype and device; any
+            strides). Dtypes: float16, bfloat16, float32, float64.
+        weights: [N] floating-point weights (same dtypes) on the states' device.
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (then
-            ``$DEPTHFUSION_BACKEND``, default ``"auto"``).
+            ``$DEPTHFUSION_BACKEND``, default ``"auto"``). float64 states on ``"triton"`` take the
+            PyTorch path (the kernel computes fp32, fp16 and bf16).
     Returns:
-        Tensor of shape S and the states' dtype.
+        Tensor of shape S and the states' dtype. Half-precision states are accumulated in fp32 by the
+        ``"torch"`` and ``"triton"`` backends (the ``"reference"`` loop accumulates in their dtype).
+        Gradients of every order (``create_graph=True``) are supported by every backend.
     Raises:
-        ValueError: when the shapes, dtypes or devices disagree, or the backend is unknown.
+        ValueError: when the shapes, dtypes or devices disagree, a dtype is not a floating-point one
+            above (integer and bool tensors are rejected, not truncated), or the backend is unknown or
+            cannot run on the states' device.
     """
     sources = _as_list(states)
     _check_inputs(sources, weights)
@@ -220,19 +265,24 @@ def depth_weighted_average(
 
 
 def dwa_with_backend(sources: Sequence[torch.Tensor], weights: torch.Tensor, backend: str) -> torch.Tensor:
-    """Run an already resolved backend on already validated inputs (the model's per-step fast path).
+    """The core of the op: run a resolved backend on validated inputs, without checking them again.
+
+    Models resolve the backend once per forward pass and device and call this for every DWA step
+    (the input checks of :func:`depth_weighted_average` cost as much as the op itself when decoding).
+    The one routing decision lives here: the Triton kernel computes fp32, fp16 and bf16; other dtypes
+    (float64) take the PyTorch path, which is exact for them.
 
     Args:
-        sources: N tensors of the same shape S, dtype and device.
-        weights: [N].
+        sources: N tensors of the same shape S, dtype (one of ``DTYPES``) and device.
+        weights: [N], on the sources' device.
         backend: ``"reference"``, ``"torch"`` or ``"triton"`` (from :func:`resolve_backend`).
     Returns:
         [*S], in the sources' dtype.
     """
+    if backend == "triton" and sources[0].dtype in TRITON_DWA_DTYPES:
+        return triton_depth_weighted_average(sources, weights)
     if backend == "reference":
         return dwa_reference(sources, weights)
-    if backend == "triton":
-        return triton_depth_weighted_average(sources, weights)
     return dwa_torch(sources, weights)
 
 

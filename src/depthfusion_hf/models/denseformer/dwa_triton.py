@@ -39,7 +39,8 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 # Set when this module is imported: Triton reads TRITON_INTERPRET at import time as well.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The dtypes the kernels compute (fp32 accumulation); the dispatcher in dwa.py sends others to PyTorch.
+TRITON_DWA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Largest block when interpreted (tests lower it to exercise many blocks and masked tails).
 INTERPRET_MAX_BLOCK = 1 << 14
@@ -50,6 +51,11 @@ def dwa_triton_forward_backward_available() -> bool:
     if triton is None:
         return False
     return _INTERPRET or torch.cuda.is_available()
+
+
+def dwa_triton_runs_on(device: torch.device) -> bool:
+    """True when the kernels can run on tensors of ``device``: CUDA, or CPU under ``TRITON_INTERPRET=1``."""
+    return dwa_triton_forward_backward_available() and (device.type == "cuda" or (_INTERPRET and device.type == "cpu"))
 
 
 if triton is not None:
@@ -121,10 +127,29 @@ def _pointer_array(tensors: list[torch.Tensor], device: torch.device) -> torch.T
 def _check(sources: list[torch.Tensor], weights: torch.Tensor) -> None:
     if triton is None:
         raise RuntimeError(f"Triton is not available: {_TRITON_IMPORT_ERROR!r}")
-    if sources[0].dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"the Triton DWA supports {_SUPPORTED_DTYPES}; got {sources[0].dtype}")
+    if sources[0].dtype not in TRITON_DWA_DTYPES:
+        raise ValueError(f"the Triton DWA supports {TRITON_DWA_DTYPES}; got {sources[0].dtype}")
     if weights.device != sources[0].device:
         raise ValueError(f"weights are on {weights.device} but the states on {sources[0].device}")
+    if not dwa_triton_runs_on(sources[0].device):
+        raise ValueError(
+            f"the Triton DWA runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got {sources[0].device}"
+        )
+
+
+def _differentiable_grads(needs_input_grad, weights: torch.Tensor, sources, grad_out: torch.Tensor):
+    """The backward from PyTorch ops, so that ``create_graph=True`` records it (the kernels record nothing).
+
+    Same arithmetic as the kernels: fp32 products and sums, one rounding to the output dtype.
+    """
+    g = grad_out.float()
+    grad_weights = None
+    if needs_input_grad[0]:
+        grad_weights = torch.stack([(g * x.float()).sum() for x in sources]).to(weights.dtype)
+    grad_sources = [
+        (g * weights[n].float()).to(grad_out.dtype) if needs_input_grad[n + 1] else None for n in range(len(sources))
+    ]
+    return (grad_weights, *grad_sources)
 
 
 class _TritonDepthWeightedAverage(torch.autograd.Function):
@@ -150,6 +175,8 @@ class _TritonDepthWeightedAverage(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         weights, *sources = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: second-order gradients need a recorded graph
+            return _differentiable_grads(ctx.needs_input_grad, weights, sources, grad_out)
         need_dw = ctx.needs_input_grad[0]
         need_dx = any(ctx.needs_input_grad[1:])
         n_src = len(sources)
@@ -218,7 +245,11 @@ def triton_depth_weighted_average(sources: list[torch.Tensor], weights: torch.Te
             ``TRITON_INTERPRET=1``); non-contiguous ones are made contiguous.
         weights: [N] floating-point weights on the same device.
     Returns:
-        [*S] in the sources' dtype, accumulated in fp32.
+        [*S] in the sources' dtype, accumulated in fp32. Second-order gradients (``create_graph=True``)
+        are computed by PyTorch ops with the same arithmetic.
+    Raises:
+        ValueError: for another dtype (float64 goes through ``depth_weighted_average``, which routes it to
+            the PyTorch path) or device.
     """
     sources = list(sources)
     _check(sources, weights)
