@@ -1,66 +1,83 @@
-"""scripts/train_ner_fewshot.py: argument handling, and a few real steps on the MiniLM encoder and WNUT-16."""
+"""The few-shot NER recipe (depthfusion_hf.recipes.ner) and its front end scripts/train_ner_fewshot.py: settings and
+config files, data loading, and a few real steps on the MiniLM encoder and WNUT-16."""
 
 import csv
-import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from depthfusion_hf.data import ConllFormatError
+from depthfusion_hf.recipes import ner
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_ner_fewshot", ROOT / "scripts" / "train_ner_fewshot.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_config_file_sets_defaults_and_rejects_unknown_keys(tmp_path):
-    script = load_script()
     good = tmp_path / "good.json"
-    good.write_text(json.dumps({"sizes": ["3-shot", "40"], "seeds": [4], "fusions": ["concat"]}))
-    args = script.parse_args(["--config", str(good), "--seeds", "5", "6"])
-    assert [s.label for s in args.sizes] == ["3-shot", "40"] and args.seeds == [5, 6] and args.fusions == ["concat"]
+    good.write_text(json.dumps({"sizes": ["3-shot", "40"], "seeds": [4], "fusions": ["concat"], "_comment": "x"}))
+    settings = ner.NerSettings.from_config(good, seeds=[5, 6])
+    assert [s.label for s in settings.sizes] == ["3-shot", "40"] and settings.seeds == [5, 6]
+    assert settings.fusions == ["concat"] and settings.config == str(good)
+    assert settings.max_steps == ner.NerSettings().max_steps  # keys the file does not set keep their defaults
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"learning_rte": 1e-3}))
-    with pytest.raises(SystemExit):
-        script.parse_args(["--config", str(bad)])
-    with pytest.raises(SystemExit):
-        script.parse_args(["--train_file", str(good)])  # --test_file is required with it
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['learning_rte'\]"):
+        ner.NerSettings.from_config(bad)
+    with pytest.raises(ValueError, match="train_file and test_file go together"):
+        ner.NerSettings(train_file=str(good))
+    with pytest.raises(ValueError, match="fusions must be among"):
+        ner.NerSettings(fusions=["mean"])
+    with pytest.raises(ValueError, match="training size must be"):
+        ner.NerSettings(sizes=["0-shot"])
+
+
+def test_script_command_line_takes_config_defaults_and_reports_errors(tmp_path):
+    """The front end turns the recipe's errors into usage errors (exit 2) before any work."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"learning_rte": 1e-3}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    script = str(ROOT / "scripts" / "train_ner_fewshot.py")
+    for argv, message in ((["--config", str(bad)], "unknown option(s) ['learning_rte']"),
+                          (["--train_file", str(bad)], "train_file and test_file go together")):
+        proc = subprocess.run([sys.executable, script, *argv, "--output_dir", str(tmp_path / "out")], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_local_files_are_read_and_malformed_ones_name_file_and_line(tmp_path):
-    script = load_script()
     train, test = tmp_path / "train.txt", tmp_path / "test.txt"
     train.write_text("Ann\tB-PER\nsings\tO\n\nRome\tB-LOC\n")
     test.write_text("Bob\tB-PER\nin\tO\nOslo\tLOC\n")
-    args = script.parse_args(["--train_file", str(train), "--test_file", str(test)])
+    settings = ner.NerSettings(train_file=str(train), test_file=str(test))
     with pytest.raises(ConllFormatError, match=rf"{test}:3: invalid tag 'LOC'"):
-        script.load_splits(args)
+        ner.load_splits(settings)
     test.write_text("Bob\tB-PER\nin\tO\n\nOslo\tB-LOC\n")
-    splits, name = script.load_splits(args)
+    splits, name = ner.load_splits(settings)
     assert name == "train.txt" and len(splits["train"]) == 2 and len(splits["test"]) == 2
     assert splits["validation"] == []
 
 
 @pytest.mark.integration
 def test_a_few_real_steps_write_sane_outputs(tmp_path):
-    script = load_script()
     out = tmp_path / "out"
-    payload = script.main(["--config", str(ROOT / "configs" / "ner_wnut16_fewshot.json"),
-                           "--sizes", "8", "1-shot", "--seeds", "1", "2", "--fusions", "last", "dwatt",
-                           "--max_steps", "2", "--max_test_sentences", "40", "--output_dir", str(out)])
+    settings = ner.NerSettings.from_config(ROOT / "configs" / "ner_wnut16_fewshot.json", sizes=["8", "1-shot"],
+                                           seeds=[1, 2], fusions=["last", "dwatt"], max_steps=2,
+                                           max_test_sentences=40, output_dir=str(out))
+    payload = ner.run_experiment(settings)
     for name in ("runs.json", "runs.csv", "results.md", "f1_vs_size.png"):
         assert (out / name).is_file(), name
     assert (out / "f1_vs_size.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "f1_vs_size.png").stat().st_size > 5000
 
-    runs = json.loads((out / "runs.json").read_text())["runs"]
+    written = json.loads((out / "runs.json").read_text())
+    runs = written["runs"]
+    assert written["settings"]["sizes"] == ["8", "1-shot"] and written["settings"]["max_steps"] == 2
     assert runs == payload["runs"] and len(runs) == 8  # 2 sizes x 2 seeds x 2 fusions
     assert {(r["size"], r["seed"], r["fusion"]) for r in runs} == {
         (size, seed, fusion) for size in ("8", "1-shot") for seed in (1, 2) for fusion in ("last", "dwatt")}

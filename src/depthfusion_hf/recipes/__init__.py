@@ -1,1 +1,1 @@
-"""Training recipes (causal LM; the few-shot NER recipe lives beside it)."""
+"""Training recipes: the causal-LM comparison (``clm``) and few-shot NER with DWAtt (``ner``)."""
