@@ -57,7 +57,8 @@ def test_remote_code_export_loads_in_a_fresh_process(tmp_path):
             expected[fusion] = model(**tokenizer(text, return_tensors="pt"), output_depth_attentions=True)
         folder = tmp_path / fusion
         save_remote_code_folder(model, folder, tokenizer)
-        assert (folder / "modeling_dwatt.py").is_file() and (folder / "fusion_dwatt.py").is_file()
+        for name in ("configuration_dwatt.py", "modeling_dwatt.py", "fusion_dwatt.py", "sizes_dwatt.py"):
+            assert (folder / name).is_file(), name
     out = run_fresh(
         f"""
         import json, torch
