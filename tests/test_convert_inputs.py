@@ -1,5 +1,5 @@
-"""llama_to_denseformer / llama_to_moda refuse what is not a Llama checkpoint, naming what they found, instead of
-returning a randomly initialised model with load warnings."""
+"""llama_to_denseformer / llama_to_moda / llama_to_attnres refuse what is not a Llama checkpoint, naming what
+they found, instead of returning a randomly initialised model with load warnings."""
 
 from __future__ import annotations
 
@@ -8,11 +8,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
-from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM, MoDAConfig, MoDAForCausalLM
-from depthfusion_hf.convert import llama_to_denseformer, llama_to_moda
+from depthfusion_hf import (
+    AttnResConfig,
+    AttnResForCausalLM,
+    DenseFormerConfig,
+    DenseFormerForCausalLM,
+    MoDAConfig,
+    MoDAForCausalLM,
+)
+from depthfusion_hf.convert import llama_to_attnres, llama_to_denseformer, llama_to_moda
 from tests.causal_lm_checks import TINY_DECODER
 
-CONVERTERS = [llama_to_denseformer, llama_to_moda]
+CONVERTERS = [llama_to_denseformer, llama_to_moda, llama_to_attnres]
 
 
 def tiny_bert() -> BertForMaskedLM:
@@ -25,6 +32,7 @@ def tiny_llama() -> LlamaForCausalLM:
 
 
 FOLDERS = {
+    "attnres": (lambda: AttnResForCausalLM(AttnResConfig(**TINY_DECODER)), "model_type 'attnres'.*AttnResForCausalLM"),
     "bert": (lambda: tiny_bert(), "model_type 'bert'.*BertForMaskedLM"),
     "moda": (lambda: MoDAForCausalLM(MoDAConfig(**TINY_DECODER)), "model_type 'moda'.*MoDAForCausalLM"),
     "denseformer": (lambda: DenseFormerForCausalLM(DenseFormerConfig(**TINY_DECODER)),
