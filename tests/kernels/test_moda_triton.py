@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from tests.kernels.interpret import kernels_run_in_process
+from tests.moda.fuzz_cases import build, cases
+from tests.moda.op_checks import assert_matches_reference
 
 if not kernels_run_in_process():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (run through test_moda_triton_interpreted.py)",
@@ -311,6 +315,39 @@ def test_second_order_gradients():
     out = triton_moda_attention(*inputs, None, None, True)
     with pytest.raises(RuntimeError, match="second-order gradients.*backend='torch'"):
         torch.autograd.grad(out.sum(), inputs, create_graph=True)
+
+
+TRITON_FUZZ = settings(max_examples=int(os.environ.get("MODA_TRITON_FUZZ_EXAMPLES", "12")), deadline=None,
+                       derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@TRITON_FUZZ
+@given(case=cases(max_t=5, max_d=9))
+def test_fuzz_public_op_triton_backend(case):
+    """Drawn shapes, layouts, dtypes and masks (tests/moda/fuzz_cases.py) through backend="triton" (the
+    kernels; float64 and mask-gradient calls routed to the PyTorch path) against the float64 reference."""
+    inputs, mask, grad_out = build(case)
+    inputs = [x.to(DEVICE) for x in inputs]  # no copy on CPU: the drawn strides reach the kernel
+    mask = None if mask is None else mask.to(DEVICE)
+    out = moda_attention(*inputs, attention_mask=mask, scale=case.scale, causal=case.causal, backend="triton")
+    wrt = inputs + ([mask] if mask is not None and mask.requires_grad else [])
+    grads = torch.autograd.grad(out, wrt, grad_out.to(DEVICE))
+    assert_matches_reference(out.cpu(), [g.cpu() for g in grads], [x.cpu() for x in inputs], grad_out,
+                             None if mask is None else mask.cpu(), case.scale, case.causal)
+
+
+@TRITON_FUZZ
+@given(case=cases(dtypes=(torch.float32, torch.bfloat16), masks=("none", "bool_padding", "bool_rows", "additive"),
+                  max_t=5, max_d=9))
+def test_fuzz_functional_triton(case):
+    """The functional forward / backward API on the Triton kernels, drawn cases."""
+    inputs, mask, grad_out = build(case)
+    inputs = [x.detach().to(DEVICE) for x in inputs]
+    mask = None if mask is None else mask.to(DEVICE)
+    out, saved = moda_op.moda_forward_saving(*inputs, mask, case.scale, case.causal, "triton")
+    grads = moda_op.moda_backward_from(saved, grad_out.to(DEVICE))
+    assert_matches_reference(out.cpu(), [g.cpu() for g in grads], [x.cpu() for x in inputs], grad_out,
+                             None if mask is None else mask.cpu(), case.scale, case.causal)
 
 
 def test_comparison_detects_wrong_semantics():

@@ -1,14 +1,16 @@
 """Comparing a MoDA attention path with the float64 reference, with tolerances scaled to dtype and inputs.
 
-The bound on ``rms(got - want)`` has two parts:
+The bound on ``rms(got - want)`` has three parts, with ``x`` the largest rms of the inputs (at least 1)
+and ``L = max(1, d * x**2 * |scale|)`` the size of a logit:
 
 - ``rtol(dtype) * rms(want)``: rounding of the result itself (outputs and gradients are rounded to the
   input dtype; bf16 kernels also round intermediate probabilities);
+- ``ATOL_UNITS * eps(dtype) * L * rms(want)``: a logit of size L carries an absolute rounding error
+  ``eps * L``, which exp turns into a relative error of every probability, hence of the result;
 - ``ATOL_UNITS * eps(dtype) * floor``: cancellation. Every gradient goes through
-  ``dS = P (dP - D)``, a difference of two dot products of magnitude ``|dO| |v| d`` that cancels
-  exactly when a row sees a single entry (then the exact gradient is 0 and any implementation leaves
-  a rounding residue of that size). ``floor`` is that magnitude carried to the gradient:
-  ``rms(dO) * x * max(1, d * x**2 * scale)`` with ``x`` the largest rms of the inputs; for the output
+  ``dS = P (dP - D)``, a difference of two dot products that cancels exactly when a row sees a single
+  entry (then the exact gradient is 0 and any implementation leaves a rounding residue).
+  ``floor`` is the size of those terms carried to the gradient, ``rms(dO) * x * L``; for the output
   (a convex combination of values) it is ``x``.
 
 The reference runs in float64 on the very values the tested path saw, so the bound only measures the
@@ -50,12 +52,12 @@ def reference_and_grads(inputs, grad_out, attention_mask, scale, causal):
 
 
 def bounds(inputs, grad_out, scale, dtype):
-    """(atol of the output, atol of every gradient) for ``inputs`` = q, k, v, depth_k, depth_v."""
+    """(logit-rounding relative term, atol of the output, atol of every gradient) for ``inputs`` =
+    q, k, v, depth_k, depth_v (see the module docstring)."""
     eps = torch.finfo(dtype).eps
     x = max(1.0, max(rms(t) for t in inputs))
-    d = inputs[0].shape[-1]
-    floor_grad = rms(grad_out) * x * max(1.0, d * x * x * abs(scale))
-    return ATOL_UNITS * eps * x, ATOL_UNITS * eps * floor_grad
+    logit = max(1.0, inputs[0].shape[-1] * x * x * abs(scale))
+    return ATOL_UNITS * eps * logit, ATOL_UNITS * eps * x, ATOL_UNITS * eps * rms(grad_out) * x * logit
 
 
 def assert_matches_reference(out, grads, inputs, grad_out, attention_mask, scale, causal, rtol=None):
@@ -66,9 +68,16 @@ def assert_matches_reference(out, grads, inputs, grad_out, attention_mask, scale
     dtype = inputs[0].dtype
     rtol = RTOL[dtype] if rtol is None else rtol
     want_out, want_grads = reference_and_grads(inputs, grad_out, attention_mask, scale, causal)
-    atol_out, atol_grad = bounds(inputs, grad_out, scale, dtype)
-    checks = [("out", out, want_out, rtol, atol_out)]
-    checks += [(name, g, w, GRAD_FACTOR * rtol, atol_grad) for name, g, w in zip(NAMES[1:], grads, want_grads)]
+    rel_logit, atol_out, atol_grad = bounds(inputs, grad_out, scale, dtype)
+    checks = [("out", out, want_out, rtol + rel_logit, atol_out)]
+    checks += [(name, g, w, GRAD_FACTOR * rtol + rel_logit, atol_grad)
+               for name, g, w in zip(NAMES[1:6], grads, want_grads)]
+    if len(grads) > 5 and attention_mask is not None:
+        # The mask's gradient is rounded to the mask's dtype, which may be coarser than the inputs'.
+        coarse = max((dtype, attention_mask.dtype), key=lambda t: torch.finfo(t).eps)
+        mask_rtol = rtol if coarse == dtype else RTOL[coarse]
+        mask_logit, _, mask_atol = bounds(inputs, grad_out, scale, coarse)
+        checks.append(("mask", grads[5], want_grads[5], GRAD_FACTOR * mask_rtol + mask_logit, mask_atol))
     for name, got, want, rel, atol in checks:
         if got is None:
             continue
