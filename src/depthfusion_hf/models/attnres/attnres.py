@@ -197,17 +197,12 @@ def _reference_grads(ctx, query, key_norm_weight, sources, eps, grad_h, grad_alp
     return result
 
 
-def _vecdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(a * b).sum(-1)`` for [..., D] tensors of one dtype, as a batched matrix product (no [.., D] temporary)."""
-    return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1).squeeze(-1)
-
-
 class _AttentionResidual(torch.autograd.Function):
     """The torch backend over a list of sources (inputs: query, key_norm_weight, eps, *sources).
 
     Forward: per source one matrix-vector product (the logit numerator ``(w * g) . v``) and one norm,
     an fp32 softmax over the [B, T, N] logits, then ``h = sum_i alpha_i v_i`` accumulated into one
-    buffer. Saved: references to the inputs, alpha [B, T, N] and the inverse norms r [B, T, N].
+    buffer. Saved: references to the inputs, and alpha, the logits s and the inverse norms r ([B, T, N] each).
 
     Backward (per token, ``s_i = r_i (u . v_i)``, ``u = w * g``, ``delta = sum_j alpha_j dalpha_j``):
     ``dalpha_i = dh . v_i (+ d alpha_i)``, ``ds_i = alpha_i (dalpha_i - delta)``,
@@ -227,18 +222,19 @@ class _AttentionResidual(torch.autograd.Function):
             r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square_().div_(dim).add_(eps))
             logits.append(torch.matmul(x, u).mul_(r))
             inv_rms.append(r)
-        alpha = torch.softmax(torch.stack(logits, dim=-1), dim=-1)
+        logits = torch.stack(logits, dim=-1)
+        alpha = torch.softmax(logits, dim=-1)
         h = torch.mul(sources[0].detach().to(cd), alpha[..., 0:1])
         for i in range(1, len(sources)):
             h.addcmul_(sources[i].detach(), alpha[..., i : i + 1])
         ctx.eps = eps
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(query, key_norm_weight, alpha, torch.stack(inv_rms, dim=-1), *sources)
+        ctx.save_for_backward(query, key_norm_weight, alpha, logits, torch.stack(inv_rms, dim=-1), *sources)
         return h.to(dtype), alpha
 
     @staticmethod
     def backward(ctx, grad_h, grad_alpha):  # noqa: D102
-        query, key_norm_weight, alpha, inv_rms, *sources = ctx.saved_tensors
+        query, key_norm_weight, alpha, logits, inv_rms, *sources = ctx.saved_tensors
         n_src = len(sources)
         if grad_h is None and grad_alpha is None:
             return (None, None, None, *([None] * n_src))
@@ -253,7 +249,7 @@ class _AttentionResidual(torch.autograd.Function):
         d_alpha = torch.zeros_like(alpha) if grad_alpha is None else grad_alpha.to(cd).clone()
         if dh is not None:
             for i, v in enumerate(sources):
-                d_alpha[..., i] += _vecdot(dh, v.to(cd))
+                d_alpha[..., i] += torch.linalg.vecdot(dh, v.to(cd))
         delta = (alpha * d_alpha).sum(dim=-1, keepdim=True)
         ds = alpha * (d_alpha - delta)  # [B, T, N]: gradient of the logits
         coef_u = ds * inv_rms  # ds_i r_i
@@ -272,8 +268,7 @@ class _AttentionResidual(torch.autograd.Function):
             if not need_v:
                 grad_sources.append(None)
                 continue
-            logit = _vecdot(x, u.expand_as(x)) * inv_rms[..., i]
-            c_v = -(c_u * logit * inv_rms[..., i]) / dim  # -ds_i s_i r_i^2 / D
+            c_v = -(c_u * logits[..., i] * inv_rms[..., i]) / dim  # -ds_i s_i r_i^2 / D
             dv = torch.mul(c_u.unsqueeze(-1), u)
             dv.addcmul_(x, c_v.unsqueeze(-1))
             if dh is not None:
