@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if is_main_process():  # fail now, not after training, when a final folder would replace what we did not write
+        for kind in [args.model] + ([] if args.no_baseline else [BASELINE]):
+            check_target(out / kind / "final")
     arch = load_arch(args.config)
     kwargs = family_kwargs(args.model, args)
     # The run's one config, built before the data work so that a bad one fails fast.
@@ -146,9 +149,6 @@ def main(argv: list[str] | None = None) -> dict:
     # Under torchrun / accelerate launch every rank trains; only the main process writes plots and results
     # (train_one already saves the final folders from rank 0 only).
     main_process = is_main_process()
-    if main_process:  # fail now, not after training, when a final folder would replace what we did not write
-        for kind in [args.model] + ([] if args.no_baseline else [BASELINE]):
-            check_target(out / kind / "final")
 
     set_seed(args.seed)
     model = build_model(args.model, tokenizer=tokenizer, init_from=args.init_from, config=config, **kwargs)

@@ -1,6 +1,9 @@
-"""The causal-LM main job end to end on the built-in corpus (tiny model, a few steps)."""
+"""The causal-LM main job end to end on the built-in corpus (tiny model, a few steps): ``scripts/train_clm.py`` run as
+a user runs it, in a new interpreter."""
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -8,12 +11,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from depthfusion_hf.data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer
+from depthfusion_hf.safe_folder import read_marker
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
+TINY = ["--config", str(REPO / "configs" / "clm_tiny.json"), "--max_steps", "8", "--eval_steps", "4",
+        "--batch_size", "4", "--max_train_blocks", "64", "--max_eval_blocks", "8", "--vocab_size", "400"]
 
-import train_clm  # noqa: E402
 
-from depthfusion_hf.data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer  # noqa: E402
+def train_clm(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python scripts/train_clm.py ARGS`` (offline, one thread)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "train_clm.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
 
 
 def test_builtin_corpus_is_real_english():
@@ -49,11 +59,9 @@ def test_local_files_and_bad_inputs(tmp_path):
 
 def test_main_job_trains_both_models_and_writes_everything(tmp_path):
     out = tmp_path / "run"
-    results = train_clm.main([
-        "--config", str(REPO / "configs" / "clm_tiny.json"), "--max_steps", "8", "--eval_steps", "4",
-        "--batch_size", "4", "--max_train_blocks", "64", "--max_eval_blocks", "8", "--vocab_size", "400",
-        "--dwa_dilation", "2", "--dwa_period", "2", "--output_dir", str(out),
-    ])
+    proc = train_clm(TINY + ["--dwa_dilation", "2", "--dwa_period", "2", "--output_dir", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
     names = [r["name"] for r in results["runs"]]
     assert names == ["denseformer 2x2", "llama (baseline)"]
     assert [r["model_type"] for r in results["runs"]] == ["denseformer", "llama"]  # what clm_results reads
@@ -62,20 +70,38 @@ def test_main_job_trains_both_models_and_writes_everything(tmp_path):
     dense, llama = results["runs"]
     assert dense["parameters"] - llama["parameters"] == 2 + 3  # DWA after blocks 2 and 4 with dilation 2
     assert (out / "dwa_weights.png").stat().st_size > 1000
+    assert f"DenseFormer analysis plot: {out / 'dwa_weights.png'}" in proc.stdout
     assert "| denseformer 2x2 |" in (out / "results.md").read_text()
     model = AutoModelForCausalLM.from_pretrained(out / "denseformer" / "final")
     tokenizer = AutoTokenizer.from_pretrained(out / "denseformer" / "final")
     assert model.config.dwa_dilation == 2 and len(tokenizer) == 400
     assert not torch.equal(model.model.dwa.alphas, model.model.dwa.identity_alphas())  # the DWA weights trained
+    for kind in ("denseformer", "llama"):  # both final folders are marked exports, so a rerun may replace them
+        assert "model.safetensors" in read_marker(out / kind / "final")["files"]
 
 
-def test_bad_arguments_are_rejected(tmp_path):
-    with pytest.raises(SystemExit):
-        train_clm.main(["--max_steps", "0", "--output_dir", str(tmp_path)])
-    with pytest.raises(ValueError, match="`dwa_dilation` must be an integer in"):
-        train_clm.main(["--config", str(REPO / "configs" / "clm_tiny.json"), "--dwa_dilation", "9",
-                        "--max_train_blocks", "8", "--max_eval_blocks", "2", "--vocab_size", "300",
-                        "--output_dir", str(tmp_path)])
+def test_moda_run_draws_its_depth_share_plot(tmp_path):
+    out = tmp_path / "run"
+    proc = train_clm(TINY + ["--model", "moda", "--max_steps", "2", "--eval_steps", "0", "--no_baseline",
+                             "--output_dir", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert (run["name"], run["model_type"]) == ("moda", "moda")
+    assert (out / "moda_depth_share.png").stat().st_size > 1000 and not (out / "dwa_weights.png").exists()
+
+
+def test_bad_arguments_and_foreign_final_folders_are_rejected_before_training(tmp_path):
+    proc = train_clm(["--max_steps", "0", "--output_dir", str(tmp_path / "a")], tmp_path)
+    assert proc.returncode == 2 and "--max_steps must be >= 1" in proc.stderr
+    proc = train_clm(TINY + ["--dwa_dilation", "9", "--output_dir", str(tmp_path / "b")], tmp_path)
+    assert proc.returncode == 1 and "`dwa_dilation` must be an integer in" in proc.stderr
+    final = tmp_path / "c" / "llama" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")  # e.g. saved by hand, not by this package
+    proc = train_clm(TINY + ["--output_dir", str(tmp_path / "c")], tmp_path)
+    assert proc.returncode == 1 and "is not an export of this package" in proc.stderr and "config.json" in proc.stderr
+    assert "data:" not in proc.stdout  # refused before the data work and the training
+    assert (final / "config.json").read_text() == "{}"
 
 
 def test_trainer_does_not_decay_dwa_weights(tmp_path):

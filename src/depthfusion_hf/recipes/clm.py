@@ -30,7 +30,7 @@ from ..remote_code import save_model_folder
 
 # The plain baseline every causal-LM family is compared with (not a registry family: transformers' own).
 BASELINE = "llama"
-MODEL_KINDS = causal_lm_families() + (BASELINE,)
+MODEL_KINDS = causal_lm_families() + (BASELINE,)  # at import time; the functions below read the registry itself
 ARCH_EXCLUDE = ("_comment", "model_type")
 
 
@@ -45,8 +45,9 @@ def load_arch(path: str | Path) -> dict:
 
 def _family(kind: str) -> Family | None:
     """The registry entry of a causal-LM ``kind``; ``None`` for the Llama baseline."""
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"model kind must be one of {MODEL_KINDS}; got {kind!r}")
+    kinds = causal_lm_families() + (BASELINE,)  # read now: the registry is the one list
+    if kind not in kinds:
+        raise ValueError(f"model kind must be one of {kinds}; got {kind!r}")
     return None if kind == BASELINE else FAMILIES[kind]
 
 

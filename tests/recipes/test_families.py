@@ -1,0 +1,84 @@
+"""The family registry drives the Auto classes, the causal-LM recipe and the export tables."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, LlamaForCausalLM
+
+from depthfusion_hf.export import AUTO_CLASSES, PIPELINE_TAGS, default_model_cards_dir
+from depthfusion_hf.families import FAMILIES, Family, causal_lm_families, get_family
+from depthfusion_hf.recipes import clm
+
+ARCH = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_is_registered_with_transformers(name):
+    family = FAMILIES[name]
+    assert family.model_type == name == family.config_class.model_type
+    assert isinstance(AutoConfig.for_model(name), family.config_class)
+    assert family.task_auto_class._model_mapping[family.config_class] is family.task_model_class
+    if family.base_model_class is not None:
+        assert AutoModel._model_mapping[family.config_class] is family.base_model_class
+    else:
+        assert family.config_class not in AutoModel._model_mapping
+    assert (default_model_cards_dir() / family.card_template).is_file()
+    assert AUTO_CLASSES[name][0] == family.task_auto_class.__name__ and PIPELINE_TAGS[name] == family.pipeline_tag
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        family.pipeline_tag = "x"
+
+
+def test_get_family_names_the_registered_families():
+    assert get_family("moda") is FAMILIES["moda"]
+    with pytest.raises(ValueError, match=r"model_type must be one of \[.*'denseformer'.*\]; got 'llama'"):
+        get_family("llama")
+
+
+@pytest.mark.parametrize("kind", causal_lm_families())
+def test_causal_lm_families_build_from_their_cli_options(kind):
+    family = FAMILIES[kind]
+    assert family.add_cli_options is not None and family.config_kwargs is not None and family.from_llama is not None
+    parser = argparse.ArgumentParser()
+    clm.add_family_options(parser)
+    kwargs = clm.family_kwargs(kind, parser.parse_args([]))
+    config = clm.build_config(kind, ARCH, **kwargs)
+    assert isinstance(config, family.config_class)
+    assert all(getattr(config, key) == value for key, value in kwargs.items())
+    model = clm.build_model(kind, config=config)
+    assert isinstance(model, family.task_model_class) and model.config is config  # the run's one config
+    assert clm.run_name(config).startswith(kind)
+
+
+def test_variant_names():
+    assert clm.run_name(clm.build_config("denseformer", ARCH, dwa_dilation=3, dwa_period=2)) == "denseformer 3x2"
+    assert clm.run_name(clm.build_config("moda", ARCH)) == "moda"
+    assert clm.run_name(clm.build_config("moda", ARCH, moda_ffn_kv=False, norm_position="post")) == \
+        "moda no-ffn-kv post-norm"
+    assert clm.run_name(clm.build_config("llama", ARCH)) == "llama"
+
+
+def test_baseline_and_unknown_kinds():
+    assert clm.MODEL_KINDS == causal_lm_families() + ("llama",)
+    assert clm.family_kwargs("llama", argparse.Namespace()) == {}
+    assert isinstance(clm.build_model("llama", ARCH), LlamaForCausalLM)
+    with pytest.raises(ValueError, match="model kind must be one of"):
+        clm.build_model("dwatt", ARCH)  # a registered family, but not a causal LM
+
+
+def test_a_new_registry_entry_is_all_the_recipe_needs(monkeypatch):
+    """A family added to the registry (here a renamed DenseFormer) is buildable and named by the recipe."""
+    dense = FAMILIES["denseformer"]
+    fake = dataclasses.replace(dense, model_type="fakeformer", title="FakeFormer",
+                               variant_name=lambda config: "fakeformer", add_cli_options=None,
+                               config_kwargs=lambda args: {"dwa_dilation": 1, "dwa_period": 1})
+    monkeypatch.setitem(FAMILIES, "fakeformer", fake)
+    assert "fakeformer" in causal_lm_families()
+    assert clm.family_kwargs("fakeformer", argparse.Namespace()) == {"dwa_dilation": 1, "dwa_period": 1}
+    torch.manual_seed(0)
+    model = clm.build_model("fakeformer", ARCH, dwa_dilation=1, dwa_period=1)
+    assert isinstance(model, dense.task_model_class)
+    assert isinstance(fake, Family) and fake.is_causal_lm
