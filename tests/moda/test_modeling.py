@@ -6,22 +6,41 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import depthfusion_hf.models.moda.modeling_moda as modeling_moda
 from depthfusion_hf import MoDAConfig, MoDAForCausalLM, MoDAModel
+from depthfusion_hf.models.moda.depth_stream import DepthStream
 
 from .helpers import TINY, tiny_config, tiny_llama_config, tiny_model
 
 
+def spy_on_depth(monkeypatch, path: str) -> list[torch.Tensor]:
+    """Record the depth keys [B, Hkv, T, M, d] each layer's attention reads, on the stream or the tuple path."""
+    seen = []
+    if path == "stream":
+        real = DepthStream.attend
+
+        def spy(self, q, k, v, attention_mask, scale, start, stop):
+            out = real(self, q, k, v, attention_mask, scale, start, stop)
+            seen.append(self.window(start, stop)[0].clone())
+            return out
+
+        monkeypatch.setattr(DepthStream, "attend", spy)
+    else:
+        real = modeling_moda.moda_attention
+
+        def spy(q, k, v, depth_k, depth_v, **kwargs):
+            seen.append(depth_k)
+            return real(q, k, v, depth_k, depth_v, **kwargs)
+
+        monkeypatch.setattr(modeling_moda, "moda_attention", spy)
+        monkeypatch.setattr(MoDAModel, "uses_depth_stream", lambda *args: False)
+    return seen
+
+
+@pytest.mark.parametrize("path", ["stream", "tuples"])
 @pytest.mark.parametrize("norm_position", ["pre", "post"])
 @pytest.mark.parametrize("ffn_kv", [True, False])
-def test_layers_read_all_earlier_entries_of_their_token(monkeypatch, norm_position, ffn_kv):
+def test_layers_read_all_earlier_entries_of_their_token(monkeypatch, norm_position, ffn_kv, path):
     model = tiny_model(moda_ffn_kv=ffn_kv, norm_position=norm_position)
-    seen = []
-    real = modeling_moda.moda_attention
-
-    def spy(q, k, v, depth_k, depth_v, **kwargs):
-        seen.append(depth_k)
-        return real(q, k, v, depth_k, depth_v, **kwargs)
-
-    monkeypatch.setattr(modeling_moda, "moda_attention", spy)
+    seen = spy_on_depth(monkeypatch, path)
     ids = torch.randint(3, 97, (2, 9))
     with torch.no_grad():
         cache = model(ids, use_cache=True).cache

@@ -8,6 +8,7 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 NORM_POSITIONS = ("pre", "post")
 
 
+# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_positive_int
 def check_positive_int(name: str, value, upper: int | None = None, upper_name: str | None = None) -> None:
     """Raise a ValueError naming ``name`` unless ``1 <= value (<= upper)``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (upper is not None and value > upper):
@@ -15,6 +16,7 @@ def check_positive_int(name: str, value, upper: int | None = None, upper_name: s
         raise ValueError(f"`{name}` must be {allowed}; got {value!r}")
 
 
+# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_llama_shapes
 def check_llama_shapes(config: LlamaConfig) -> None:
     """Validate the Llama-style fields shared by our decoders; raise a ValueError naming the field."""
     check_positive_int("vocab_size", config.vocab_size)
@@ -54,6 +56,10 @@ class MoDAConfig(LlamaConfig):
         norm_position (`str`, defaults to ``"pre"``): ``"pre"`` is Llama's pre-norm block;
             ``"post"`` is the classic post-norm block ``h = norm(x + attn(x)); y = norm(h + mlp(h))``,
             which the paper finds gains more from MoDA. Allowed: ``"pre"``, ``"post"``.
+        moda_depth_window (`int` or None, defaults to None): W, keep only the depth entries written by
+            the last ``W`` layers (layer ``l`` reads those of layers ``max(0, l - W) .. l - 1``), so the
+            depth cost grows as ``L W`` instead of ``L^2`` (the paper's §6.2 direction). None reads every
+            earlier layer (the paper's MoDA). Allowed: None or ``1 <= W <= num_hidden_layers``.
 
     Example:
         >>> config = MoDAConfig(num_hidden_layers=36, hidden_size=1024, norm_position="post")
@@ -66,10 +72,20 @@ class MoDAConfig(LlamaConfig):
 
     moda_ffn_kv: bool = True
     norm_position: str = "pre"
+    moda_depth_window: int | None = None
 
     def __post_init__(self, **kwargs):
-        # Validation lives here rather than in `validate_*` methods: strict-dataclass validators wrap
-        # errors in a non-ValueError exception.
+        # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
+        # wrap errors in a non-ValueError exception.
+        self.check_fields()
+        super().__post_init__(**kwargs)
+
+    def check_fields(self) -> None:
+        """Validate every field; raise a ValueError naming the field and its allowed values.
+
+        Runs at construction and again when a model is built from this config, so that a field
+        changed after construction (e.g. ``config.moda_depth_window = 0``) gets the same error.
+        """
         check_llama_shapes(self)
         if not isinstance(self.moda_ffn_kv, bool):
             raise ValueError(f"`moda_ffn_kv` must be a bool (True or False); got {self.moda_ffn_kv!r}")
@@ -79,7 +95,9 @@ class MoDAConfig(LlamaConfig):
             raise ValueError(
                 f"`attention_dropout` must be 0.0 (the MoDA op has no dropout); got {self.attention_dropout!r}"
             )
-        super().__post_init__(**kwargs)
+        if self.moda_depth_window is not None:
+            check_positive_int("moda_depth_window", self.moda_depth_window, self.num_hidden_layers,
+                               "at most num_hidden_layers, or None for all earlier layers")
 
 
 __all__ = ["MoDAConfig"]

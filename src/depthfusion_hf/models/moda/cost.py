@@ -9,7 +9,7 @@ Conventions (chosen to match the paper's Table 3, see docs/MODA.md):
   of Table 3 adds exactly two layers' worth of full T x T attention) or the causal average
   ``(seq_len + 1) / 2`` when ``causal=True``.
 - Depth attention: ``4 * Hq * d`` per depth entry; layer ``l`` reads ``l`` entries (``2 l`` with
-  the FFN-side K/V).
+  the FFN-side K/V), or ``min(l, W)`` (``2 min(l, W)``) with ``moda_depth_window = W``.
 - ``nonmatmul=True`` adds an estimate of the element-wise work: 5 FLOPs per softmax score
   (max, subtract, exp, sum, divide), 4 per RMSNorm element, 4 per SwiGLU intermediate element,
   1 per residual add, 5 per vocabulary logit for the final softmax.
@@ -90,7 +90,9 @@ def moda_cost(
     params = embedding + lm_head + layers * (attn + mlp + norms) + width + params_ffn_kv
 
     context = (seq_len + 1) / 2 if causal else seq_len
-    per_layer_depth = [(2 * i if ffn_kv else i) if moda else 0 for i in range(layers)]
+    window = _field(config, "moda_depth_window")  # None: every earlier layer
+    read_layers = [i if window is None else min(i, window) for i in range(layers)]
+    per_layer_depth = [(2 * n if ffn_kv else n) if moda else 0 for n in read_layers]
     depth_entries = sum(per_layer_depth)
     matmul_params = layers * (width * (q_dim + 2 * kv_dim) + q_dim * width + 3 * width * inter)
     matmul_params += ffn_kv_layers * width * 2 * kv_dim + vocab * width

@@ -14,8 +14,14 @@ from the layer (the values the KV cache holds) without a second projection.
 
 Cached decoding: the depth stream is per token, so a forward pass builds it only for the tokens it
 processes; the ordinary ``DynamicCache`` (sequence K/V) is all the state generation needs.
-Memory note: layer l materialises [B, Hkv, T, 2 l, d] depth tensors (O(L^2) over the stack when
-training); gradient checkpointing recomputes them per layer.
+
+Depth stream: each forward pass writes the entries once into a preallocated token-major buffer
+(``depth_stream.DepthStream``) that every later layer reads in place; in the backward each entry's
+gradient is accumulated in place into one stream-owned buffer. Where the stream's autograd path does
+not apply (gradients enabled with the ``reference`` backend, the PyTorch path off CPU, a Python
+dispatch mode, or gradient checkpointing, whose recomputation would write the buffer again) the
+model falls back to passing the entries as tuples and stacking them per layer, the original path
+(``MoDAModel.uses_depth_stream`` is the one place that decides).
 """
 
 from __future__ import annotations
@@ -43,9 +49,58 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_moda import MoDAConfig
-from .moda_attention import moda_attention, moda_joint_probs
+from .depth_stream import DepthStream
+from .moda_attention import (
+    moda_attention,
+    moda_joint_probs,
+    moda_saving_supported,
+    resolve_backend,
+)
 
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.check_token_inputs
+def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
+    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
+
+    Args:
+        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
+        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+    Raises:
+        ValueError: unless exactly one of the two is given, it has the shape above with at least one
+            token, and (for ids) an integer dtype and every id in range.
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
+    if tensor.dim() != rank:
+        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
+        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
+    if tensor.numel() == 0:
+        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
+    if input_ids is None:
+        return
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
+    if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):  # one device sync, min/max only on error
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
+            f"max {int(input_ids.max())}"
+        )
+
+
+def depth_window(config: MoDAConfig, layer_idx: int) -> tuple[int, int]:
+    """The depth slots ``[start, stop)`` layer ``layer_idx`` reads, in write order.
+
+    Entries are written ``[attn_0, (ffn_0), attn_1, ...]``: ``per_layer`` = 2 with ``moda_ffn_kv``, else 1.
+    Layer ``l`` reads those of layers ``max(0, l - W) .. l - 1`` (W = ``moda_depth_window``, None = all).
+    """
+    per_layer = 2 if config.moda_ffn_kv else 1
+    window = config.moda_depth_window
+    first = 0 if window is None else max(0, layer_idx - window)
+    return first * per_layer, layer_idx * per_layer
 
 
 def stack_depth(entries: tuple[torch.Tensor, ...], like: torch.Tensor) -> torch.Tensor:
@@ -59,10 +114,16 @@ def stack_depth(entries: tuple[torch.Tensor, ...], like: torch.Tensor) -> torch.
 class MoDAAttention(LlamaAttention):
     """Llama attention whose softmax also covers the token's own depth entries (same parameters as Llama).
 
+    ``depth_window`` = ``(start, stop)``: the depth slots this layer reads (:func:`depth_window`).
+
     Returns ``(output [B, T, D], weights or None, (key, value))`` where ``weights`` is the joint
     softmax [B, Hq, T, S + M] (only when ``output_attentions``) and ``key``, ``value`` [B, Hkv, T, d]
     are this layer's post-RoPE K/V of the processed tokens: its entry in the depth stream.
     """
+
+    def __init__(self, config: MoDAConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.depth_window = depth_window(config, layer_idx)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -74,8 +135,15 @@ class MoDAAttention(LlamaAttention):
         depth_values: tuple[torch.Tensor, ...] = (),
         cache: Cache | None = None,
         output_attentions: bool = False,
+        depth_stream: DepthStream | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+        """MoDA attention of ``hidden_states`` [B, T, D] over the sequence pool and the token's depth entries.
+
+        The depth entries come from ``depth_stream`` (this layer's window of slots, read in place) or,
+        without one, from the tuples ``depth_keys`` / ``depth_values`` (all entries written so far, each
+        [B, Hkv, T, d]; this layer reads its window of them, stacked).
+        """
         implementation = self.config._attn_implementation
         if implementation not in SUPPORTED_ATTN_IMPLEMENTATIONS:
             raise ValueError(
@@ -97,12 +165,20 @@ class MoDAAttention(LlamaAttention):
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
         # Differs from Llama: the token's own depth entries join the softmax.
-        depth_k = stack_depth(depth_keys, own_entry[0])  # (B, Hkv, T, M, d)
-        depth_v = stack_depth(depth_values, own_entry[1])
-        attn_output = moda_attention(
-            query_states, key_states, value_states, depth_k, depth_v,
-            attention_mask=attention_mask, scale=self.scaling, causal=True,
-        )  # (B, Hq, T, d)
+        start, stop = self.depth_window
+        if depth_stream is not None:
+            attn_output = depth_stream.attend(
+                query_states, key_states, value_states, attention_mask, self.scaling, start, stop
+            )  # (B, Hq, T, d)
+            if output_attentions:
+                depth_k, _ = depth_stream.window(start, stop)  # (B, Hkv, T, M, d), a view
+        else:
+            depth_k = stack_depth(depth_keys[start:stop], own_entry[0])  # (B, Hkv, T, M, d)
+            depth_v = stack_depth(depth_values[start:stop], own_entry[1])
+            attn_output = moda_attention(
+                query_states, key_states, value_states, depth_k, depth_v,
+                attention_mask=attention_mask, scale=self.scaling, causal=True,
+            )  # (B, Hq, T, d)
         attn_weights = None
         if output_attentions:
             with torch.no_grad():
@@ -130,7 +206,8 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
     The FFN input (``norm2(h)`` or ``h``) is what ``ffn_kv_proj`` projects.
 
     Returns ``(hidden_states [B, T, D], new_keys, new_values)``: the entries this layer appends to
-    the depth stream, each [B, Hkv, T, d] (one or two of them).
+    the depth stream, each [B, Hkv, T, d] (one or two of them). With a ``depth_stream`` the layer also
+    writes them into it (slots ``depth_slot`` and ``depth_slot + 1``; the last layer writes none).
     """
 
     def __init__(self, config: MoDAConfig, layer_idx: int):
@@ -150,6 +227,10 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         # Differs from Llama: the FFN-side depth K/V ("Extra FFN KV Proj."), laid out [Hkv, 2, d].
         # The last layer has none: no later layer would read its entry.
         self.writes_ffn_kv = config.moda_ffn_kv and layer_idx < config.num_hidden_layers - 1
+        # The slot of this layer's attention entry in the depth stream (the FFN entry follows it); the last
+        # layer writes none.
+        self.depth_slot = layer_idx * (2 if config.moda_ffn_kv else 1)
+        self.writes_depth = layer_idx < config.num_hidden_layers - 1
         if self.writes_ffn_kv:
             self.ffn_kv_proj = nn.Linear(
                 config.hidden_size, 2 * config.num_key_value_heads * self.head_dim, bias=config.attention_bias
@@ -174,8 +255,10 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        depth_stream: DepthStream | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """One block; with ``depth_stream`` it reads its depth window from and writes its entries to the stream."""
         pre_norm = self.norm_position == "pre"
         residual = hidden_states
         if pre_norm:
@@ -189,8 +272,11 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
+            depth_stream=depth_stream,
             **kwargs,
         )
+        if depth_stream is not None and self.writes_depth:
+            depth_stream.write(self.depth_slot, attn_key, attn_value)
         hidden_states = residual + hidden_states
         if pre_norm:
             residual = hidden_states
@@ -206,6 +292,8 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         if self.writes_ffn_kv:
             ffn_key, ffn_value = self.ffn_entry(ffn_input, *position_embeddings)
             new_keys, new_values = (attn_key, ffn_key), (attn_value, ffn_value)
+            if depth_stream is not None:
+                depth_stream.write(self.depth_slot + 1, ffn_key, ffn_value)
         return hidden_states, new_keys, new_values
 
 
@@ -228,6 +316,10 @@ class MoDAPreTrainedModel(PreTrainedModel):
         "hidden_states": MoDADecoderLayer,
         "attentions": MoDAAttention,
     }
+
+    def __init__(self, config: MoDAConfig, *inputs, **kwargs):
+        config.check_fields()  # a field changed after construction gets the construction error
+        super().__init__(config, *inputs, **kwargs)
 
 
 class MoDAModel(MoDAPreTrainedModel):
@@ -279,8 +371,7 @@ class MoDAModel(MoDAPreTrainedModel):
             cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
             use_cache: build a ``DynamicCache`` when none is given.
         """
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_token_inputs(input_ids, inputs_embeds, self.config.vocab_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
         if use_cache and cache is None:
@@ -302,10 +393,12 @@ class MoDAModel(MoDAPreTrainedModel):
         kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
 
         # Differs from Llama: the per-token depth stream, rebuilt for the processed tokens on every call.
-        # Tuples (not lists) go to the layers so that a checkpointed layer recomputes on the same entries.
+        layers = self.layers[: self.config.num_hidden_layers]
+        stream = self.depth_stream(hidden_states, causal_mask)
+        # Fallback: tuples (not lists) go to the layers so that a checkpointed layer recomputes on the same entries.
         depth_keys: tuple[torch.Tensor, ...] = ()
         depth_values: tuple[torch.Tensor, ...] = ()
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        for decoder_layer in layers:
             hidden_states, new_keys, new_values = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask,
@@ -315,12 +408,41 @@ class MoDAModel(MoDAPreTrainedModel):
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
+                depth_stream=stream,
                 **kwargs,
             )
-            depth_keys, depth_values = depth_keys + new_keys, depth_values + new_values
+            if stream is None:
+                depth_keys, depth_values = depth_keys + new_keys, depth_values + new_values
+        if stream is not None:
+            stream.close()
 
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def uses_depth_stream(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, backend: str) -> bool:
+        """Whether this forward pass runs on a :class:`DepthStream` (else the tuple-and-stack fallback).
+
+        Without gradients: always. With gradients: when the stream's autograd path applies
+        (``moda_saving_supported``: the CPU flash path or Triton, a mask without gradient, no dispatch
+        mode) and no layer is gradient-checkpointed (a recomputed layer would write the buffer again).
+        """
+        if not torch.is_grad_enabled():
+            return True
+        checkpointed = any(layer.gradient_checkpointing and layer.training for layer in self.layers)
+        return not checkpointed and moda_saving_supported(hidden_states, attention_mask, backend)
+
+    def depth_stream(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> DepthStream | None:
+        """A :class:`DepthStream` for this pass (the backend resolved once, here), or None for the fallback.
+
+        Args:
+            hidden_states: [B, T, D] the embedded inputs; attention_mask: the mask the layers receive.
+        """
+        backend = resolve_backend(None, hidden_states.device)
+        probe = hidden_states.unsqueeze(1)  # a 4-d stand-in for the queries: only device, dtype and T matter
+        if not self.uses_depth_stream(probe, attention_mask, backend):
+            return None
+        capacity = (self.config.num_hidden_layers - 1) * (2 if self.config.moda_ffn_kv else 1)
+        return DepthStream(capacity, self.config.num_hidden_layers, backend, track_grad=torch.is_grad_enabled())
 
     @torch.no_grad()
     def depth_attention_share(

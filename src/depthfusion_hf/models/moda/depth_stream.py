@@ -1,0 +1,424 @@
+"""The depth stream of one MoDA forward pass: entries written once, read in place, gradients accumulated once.
+
+A MoDA layer ``l`` reads the depth entries that layers ``0 .. l-1`` wrote for the same token. Passing
+them as a tuple and stacking them per layer (``torch.stack`` into a fresh ``[B, Hkv, T, M_l, d]``)
+copies ``O(L^2)`` entries per forward, and in the backward every reading layer returns its own
+``[.., M_l, d]`` gradient that autograd then sums per entry. :class:`DepthStream` removes both:
+
+- **Forward.** One token-major buffer per pool, ``keys`` / ``values`` [B, Hkv, T, M_max, d]. Entry
+  ``m`` is copied into slot ``m`` once (:meth:`DepthStream.write`); layer ``l`` reads its window of
+  slots ``[start, stop)`` as a strided view (no copy) and runs the attention on it
+  (:meth:`DepthStream.attend`). A slot is never written again after it has been read.
+- **Backward.** Each reading layer adds its depth gradient in place into a stream-owned gradient
+  buffer of the same layout (no per-entry autograd sums, no per-reader graph edges); when the
+  backward reaches the layer that wrote entry ``m``, the writer hands slot ``m`` of that buffer to
+  the entry's producer as its complete gradient.
+
+Autograd safety (the buffer is written in place after earlier layers saved views of it): the buffers
+are not autograd tensors. Two custom Functions own them for the whole pass:
+
+- :class:`_StreamWrite` copies an entry into its slot and returns a new, empty "token" tensor that
+  depends on the previous token;
+- :class:`_StreamRead` (the attention of one layer) takes the latest token as an input.
+
+So every reader of entry ``m`` consumes a token produced at or after write ``m``, and the writer's
+backward (which needs every reader's contribution) can run only after the backward of each reader
+that depends on its token: the ordering is enforced by the graph, not by hope. The saved views are
+never checked against the buffer's version counter, which is sound because a slot is final once
+read; under gradient checkpointing (a recomputed layer would write again) the model uses the tuple
+path instead (see ``modeling_moda``).
+
+Without gradients (inference, cached decoding) the same buffers are used with no Function at all:
+one in-place write per entry and one attention call on a view per layer, with the backend resolved
+once per forward pass.
+
+This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied
+next to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .moda_attention import (
+    _FLASH_CPU,
+    _FLASH_CPU_BACKWARD,
+    _flash_cpu_applies,
+    _sequence_mask,
+    _unit_stride_last,
+    moda_attention_with_backend,
+    moda_backward_from,
+    moda_forward_saving,
+)
+
+# The stream's own CPU path: SDPA's fused flash kernel for the sequence pool (as in ``moda_attention``'s
+# CPU path) and the depth pool as batched products over the N = B * Hkv * T tokens in the orientation
+# that reads the buffer's strided slots without a copy. Half precision takes the generic path.
+FAST_CPU_DTYPES = (torch.float32, torch.float64)
+
+
+def _fast_cpu_applies(q: torch.Tensor, attention_mask: torch.Tensor | None, backend: str) -> bool:
+    return backend == "torch" and q.dtype in FAST_CPU_DTYPES and _flash_cpu_applies(q, attention_mask)
+
+
+def _to_rows(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, Hq, T, *rest] -> [N, G, *rest], N = B * Hkv * T, G = Hq / Hkv (a view when G = 1)."""
+    batch, num_q_heads, tokens, *rest = x.shape
+    group = num_q_heads // num_kv_heads
+    return x.reshape(batch, num_kv_heads, group, tokens, *rest).transpose(2, 3).reshape(-1, group, *rest)
+
+
+def _from_rows(x: torch.Tensor, batch: int, num_kv_heads: int, tokens: int) -> torch.Tensor:
+    """[N, G, d] -> [B, Hq, T, d] (inverse of :func:`_to_rows`)."""
+    group, head_dim = x.shape[1], x.shape[2]
+    x = x.view(batch, num_kv_heads, tokens, group, head_dim).transpose(2, 3)
+    return x.reshape(batch, num_kv_heads * group, tokens, head_dim)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Gradients of half-precision entries are summed over their readers in float32 and rounded once."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _detached(saved):
+    """``saved`` with every tensor detached, so that the Function's ctx does not keep its own output alive
+    through the output's ``grad_fn`` (a reference cycle that only the garbage collector would break)."""
+    if isinstance(saved, torch.Tensor):
+        return saved.detach()
+    if dataclasses.is_dataclass(saved) and not isinstance(saved, type):
+        return dataclasses.replace(saved, **{f.name: _detached(getattr(saved, f.name))
+                                             for f in dataclasses.fields(saved) if f.init})
+    if isinstance(saved, tuple):
+        return tuple(_detached(x) for x in saved)
+    return saved
+
+
+class _StreamWrite(torch.autograd.Function):
+    """Copy one entry (key, value [B, Hkv, T, d]) into its slot; return the next ordering token (empty)."""
+
+    @staticmethod
+    def forward(ctx, stream: DepthStream, slot: int, token: torch.Tensor | None, key, value):  # noqa: D102
+        stream.keys[:, :, :, slot].copy_(key)
+        stream.values[:, :, :, slot].copy_(value)
+        ctx.stream, ctx.slot, ctx.has_token = stream, slot, token is not None
+        ctx.key_dtype, ctx.value_dtype = key.dtype, value.dtype
+        return key.new_empty(0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_token):  # noqa: D102
+        # Every reader of this slot consumed a token that depends on ours, so all of them have run their
+        # backward by now: the entry's whole gradient can be formed.
+        grad_key, grad_value = ctx.stream.entry_gradient(ctx.slot)
+        token_grad = grad_token.new_zeros(0) if ctx.has_token else None
+        return None, None, token_grad, grad_key.to(ctx.key_dtype), grad_value.to(ctx.value_dtype)
+
+
+class _StreamRead(torch.autograd.Function):
+    """One layer's MoDA attention over slots ``[start, stop)`` of the stream (see :meth:`DepthStream.attend`)."""
+
+    @staticmethod
+    def forward(ctx, stream: DepthStream, reader: int, start: int, stop: int, attention_mask,  # noqa: D102
+                scale: float, token: torch.Tensor | None, q, k, v):
+        depth = stream.needs_grad(start, stop)
+        if stream.fast:
+            out, saved = stream.fast_forward(q, k, v, attention_mask, scale, start, stop, reader if depth else None)
+        else:
+            depth_k, depth_v = stream.window(start, stop)
+            out, saved = moda_forward_saving(q, k, v, depth_k, depth_v, attention_mask, scale, True, stream.backend)
+        ctx.saved = _detached(saved)
+        ctx.stream, ctx.reader, ctx.start, ctx.stop, ctx.has_token = stream, reader, start, stop, token is not None
+        ctx.depth_needs_grad = depth
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # noqa: D102
+        stream: DepthStream = ctx.stream
+        depth = ctx.depth_needs_grad and ctx.stop > ctx.start
+        needs = tuple(ctx.needs_input_grad[7:10])
+        if stream.fast:
+            grad_q, grad_k, grad_v = stream.fast_backward(ctx.saved, grad_out, needs, ctx.reader if depth else None,
+                                                          ctx.start, ctx.stop)
+        else:
+            into = None
+            if depth:
+                grad_keys, grad_values = stream.gradient_buffers()
+                into = (grad_keys[:, :, :, ctx.start:ctx.stop], grad_values[:, :, :, ctx.start:ctx.stop])
+            grad_q, grad_k, grad_v, _, _ = moda_backward_from(ctx.saved, grad_out, needs + (False, False), into)
+        token_grad = grad_out.new_zeros(0) if ctx.has_token else None
+        return None, None, None, None, None, None, token_grad, grad_q, grad_k, grad_v
+
+
+class DepthStream:
+    """The depth entries of one forward pass in two preallocated token-major buffers.
+
+    Args:
+        capacity: M_max, the number of entries the pass writes (slots ``0 .. M_max-1``, write order).
+        num_readers: how many :meth:`attend` calls (layers) the pass makes.
+        backend: a backend already resolved by ``resolve_backend``.
+        track_grad: record the writes and reads for autograd; only where ``moda_saving_supported`` holds
+            for the pass's inputs (the caller decides, see ``modeling_moda``). Without it the stream
+            must only be used without gradients.
+
+    Attributes:
+        keys, values: [B, Hkv, T, M_max, d], allocated by the first :meth:`attend` (from its ``k``'s
+            heads, head size, dtype and device, so a tensor-parallel shard gets its own heads);
+            slot ``m`` holds entry ``m`` once written.
+        fast: the stream's own CPU path runs the attention (fp32 / fp64 with the ``torch`` backend);
+            otherwise ``moda_attention``'s functional API does (Triton, half precision).
+
+    Gradients of the entries. On the fast path each reader's backward stores its depth-logit gradient
+    ``dS`` [N, M, G] and its output gradient ``dO`` [N, G, d] (N = B Hkv T tokens) into stream
+    buffers, next to its probabilities ``P`` and queries ``q`` kept from the forward; the writer of
+    slot ``m`` then forms the entry's gradient in one batched product over all its readers,
+    ``dK_m = dS[:, m, readers] @ q[:, readers]`` and ``dV_m = P[:, m, readers] @ dO[:, readers]``.
+    On the generic path each reader adds its ``[.., M, d]`` gradients in place into a stream-owned
+    gradient buffer (``depth_grads_into``) and the writer hands its slot on.
+
+    Example::
+
+        stream = DepthStream(capacity=4, num_readers=3, backend="torch", track_grad=True)
+        out = stream.attend(q, k, v, mask, scale, start=0, stop=0)   # layer 0: no depth entry
+        stream.write(0, k0, v0); stream.write(1, fk0, fv0)            # its attention and FFN entries
+        out = stream.attend(q1, k1, v1, mask, scale, start=0, stop=2)  # layer 1 reads both
+        stream.close()
+    """
+
+    def __init__(self, capacity: int, num_readers: int, backend: str, track_grad: bool):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.capacity = capacity
+        self.num_readers = num_readers
+        self.backend = backend
+        self.track_grad = track_grad
+        self.fast = False
+        self.written = 0
+        self.reads = 0
+        self._entry_grad = [False] * capacity  # per slot: the entry was written with autograd tracking
+        self._readers_of: list[list[int]] = [[] for _ in range(capacity)]  # per slot: the tracked readers
+        self._token: torch.Tensor | None = None
+        self._grads: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._products: dict[str, torch.Tensor] = {}  # fast path: q, P (forward) and dO, dS (backward) per reader
+        self._entry_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # formed ahead of their writer
+        self._masks: dict[int, tuple] = {}
+        self._reset_queued = False
+
+    def _allocate(self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        self.shape = (q.shape[0], k.shape[1], q.shape[2], self.capacity, k.shape[3])  # (B, Hkv, T, M_max, d)
+        self.keys = k.new_empty(self.shape)
+        self.values = k.new_empty(self.shape)
+        self.fast = _fast_cpu_applies(q, attention_mask, self.backend)
+
+    def write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write entry ``slot``: ``key``, ``value`` [B, Hkv, T, d] are copied once into the buffers.
+
+        Slots are written in order (``slot == written``). Writing a slot again is allowed only as the
+        recomputation of gradient checkpointing: the values are copied without autograd tracking (all
+        readers of that slot have run their backward by then, and the recomputed graph is discarded).
+        """
+        if self.keys is None or slot > self.written or slot >= self.capacity:
+            raise RuntimeError(
+                f"DepthStream: entry {slot} written out of order ({self.written} of {self.capacity} slots written)"
+            )
+        track = self.track_grad and torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+        if track and slot == self.written:
+            self._token = _StreamWrite.apply(self, slot, self._token, key, value)
+        else:
+            with torch.no_grad():
+                self.keys[:, :, :, slot].copy_(key)
+                self.values[:, :, :, slot].copy_(value)
+        if slot == self.written:
+            self._entry_grad[slot] = track
+            self.written += 1
+
+    def close(self) -> None:
+        """End of the forward pass: drop the ordering token (the graph keeps what the backward needs)."""
+        self._token = None
+
+    def window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[start, stop)`` as views ``depth_k``, ``depth_v`` [B, Hkv, T, stop - start, d] (no copy)."""
+        if self.keys is None or not 0 <= start <= stop <= self.written:
+            raise RuntimeError(f"DepthStream: window [{start}, {stop}) outside the {self.written} written slots")
+        return self.keys[:, :, :, start:stop], self.values[:, :, :, start:stop]
+
+    def needs_grad(self, start: int, stop: int) -> bool:
+        """Whether any entry in slots ``[start, stop)`` was written with autograd tracking."""
+        return any(self._entry_grad[start:stop])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
+               scale: float, start: int, stop: int) -> torch.Tensor:
+        """MoDA attention of one layer over its sequence pool and the depth slots ``[start, stop)``.
+
+        Args:
+            q: [B, Hq, T, d]; k, v: [B, Hkv, S, d] (cache included); attention_mask as for ``moda_attention``
+                (the same mask object for every layer of the pass).
+        Returns:
+            [B, Hq, T, d] in q's dtype (causal).
+        """
+        if self.keys is None:
+            self._allocate(q, k, attention_mask)
+        reader = self.reads
+        self.reads += 1
+        tracked = self.track_grad and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad or self.needs_grad(start, stop)
+        )
+        if not tracked:
+            if self.fast:
+                with torch.no_grad():
+                    return self.fast_forward(q, k, v, attention_mask, scale, start, stop, None)[0]
+            depth_k, depth_v = self.window(start, stop)
+            return moda_attention_with_backend(q, k, v, depth_k, depth_v, attention_mask, scale, True, self.backend)
+        if self.needs_grad(start, stop):
+            for slot in range(start, stop):
+                if reader not in self._readers_of[slot]:  # (a recomputed layer reads again)
+                    self._readers_of[slot].append(reader)
+        token = self._token if self.needs_grad(start, stop) else None
+        return _StreamRead.apply(self, reader, start, stop, attention_mask, scale, token, q, k, v)
+
+    # ---- the fast CPU path ------------------------------------------------------------------------------
+
+    def _sequence_mask(self, attention_mask: torch.Tensor | None, q_len: int, kv_len: int, dtype: torch.dtype):
+        """``_sequence_mask`` of ``moda_attention``, built once per pass for the layers' shared mask."""
+        key = (id(attention_mask), q_len, kv_len)
+        if key not in self._masks:
+            self._masks[key] = (attention_mask, *_sequence_mask(attention_mask, True, q_len, kv_len, dtype))
+        return self._masks[key][1:]
+
+    def _product_buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        # Zeros: rows of a reader whose backward never ran (its output unused) must contribute 0, not garbage.
+        if name not in self._products:
+            self._products[name] = like.new_zeros(shape)
+        return self._products[name]
+
+    def fast_forward(self, q, k, v, attention_mask, scale: float, start: int, stop: int, reader: int | None):
+        """The attention on CPU (fp32 / fp64) without autograd: ``(out [B, Hq, T, d], saved)``.
+
+        Exact merge of the sequence pool (SDPA's flash kernel: output ``o_s`` and log-sum-exp ``lse_s``)
+        with the depth pool: ``lse = logaddexp(lse_s, logsumexp(l))``, ``out = exp(lse_s - lse) o_s +
+        sum_m exp(l_m - lse) v_m``. With ``reader`` (entries need gradients) the probabilities and the
+        queries are kept in the stream's product buffers for the writers' backward.
+        """
+        batch, num_q_heads, q_len, head_dim = q.shape
+        num_kv_heads, kv_len = k.shape[1], k.shape[2]
+        group = num_q_heads // num_kv_heads
+        mask, is_causal, empty_rows = self._sequence_mask(attention_mask, q_len, kv_len, q.dtype)
+        q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
+        out_seq, lse_kernel = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+        lse_seq = lse_kernel
+        if empty_rows is not None:
+            lse_seq = lse_seq.masked_fill(empty_rows, float("-inf"))
+            out_seq = out_seq.masked_fill(empty_rows.unsqueeze(-1), 0.0)  # alpha is 0 there: keep 0 * out finite
+        num_entries = stop - start
+        if num_entries == 0:  # layer 0: plain causal attention
+            saved = (q, k, v, out_seq, lse_kernel, None, mask, is_causal, scale)
+            return out_seq, saved
+        tokens = batch * num_kv_heads * q_len
+        depth_k, depth_v = self.window(start, stop)
+        keys3 = depth_k.reshape(tokens, num_entries, head_dim)  # (N, M, d): a view of the strided slots
+        values3 = depth_v.reshape(tokens, num_entries, head_dim)
+        q_rows = _to_rows(q, num_kv_heads)  # (N, G, d)
+        logits = torch.bmm(keys3, q_rows.transpose(1, 2)).mul_(scale)  # (N, M, G)
+        lse_rows = _to_rows(lse_seq.to(logits.dtype).unsqueeze(-1), num_kv_heads).squeeze(-1)  # (N, G)
+        lse = torch.logaddexp(lse_rows, torch.logsumexp(logits, dim=1))  # (N, G)
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # no visible entry: zeros, not NaN
+        alpha = torch.exp(lse_rows - lse)  # (N, G)
+        probs = torch.exp(logits.sub_(lse.unsqueeze(1)))  # (N, M, G)
+        out_rows = torch.baddbmm(alpha.unsqueeze(-1) * _to_rows(out_seq, num_kv_heads), probs.transpose(1, 2), values3)
+        out = _from_rows(out_rows, batch, num_kv_heads, q_len)  # (B, Hq, T, d)
+        if reader is not None:
+            rows = slice(reader * group, (reader + 1) * group)
+            shape = (tokens, self.num_readers * group)
+            self._product_buffer("q", (*shape, head_dim), q)[:, rows] = q_rows
+            self._product_buffer("P", (tokens, self.capacity, shape[1]), q)[:, start:stop, rows] = probs
+        saved = (q, k, v, out, lse_kernel, alpha, mask, is_causal, scale, probs)
+        return out, saved
+
+    def fast_backward(self, saved, grad_out: torch.Tensor, needs: tuple[bool, bool, bool], reader: int | None,
+                      start: int, stop: int) -> tuple[torch.Tensor | None, ...]:
+        """``(dq, dk, dv)`` of :meth:`fast_forward`; with ``reader``, ``dS`` and ``dO`` go to the product buffers."""
+        q, k, v, out, lse_kernel, alpha, mask, is_causal, scale = saved[:9]
+        batch, num_q_heads, q_len, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group = num_q_heads // num_kv_heads
+        if alpha is None:  # no depth entry
+            grads = _FLASH_CPU_BACKWARD(grad_out.contiguous(), q, k, v, out, lse_kernel, 0.0, is_causal,
+                                        attn_mask=mask, scale=scale)
+            return tuple(g if need else None for g, need in zip(grads, needs))
+        probs = saved[9]  # (N, M, G)
+        tokens, num_entries = probs.shape[0], probs.shape[1]
+        grad_rows = _to_rows(grad_out, num_kv_heads)  # (N, G, d)
+        grad_seq = _from_rows(alpha.unsqueeze(-1) * grad_rows, batch, num_kv_heads, q_len)
+        grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(grad_seq, q, k, v, out, lse_kernel, 0.0, is_causal,
+                                                     attn_mask=mask, scale=scale)
+        depth_k, depth_v = self.window(start, stop)
+        keys3 = depth_k.reshape(tokens, num_entries, head_dim)
+        values3 = depth_v.reshape(tokens, num_entries, head_dim)
+        delta = (grad_rows * _to_rows(out, num_kv_heads)).sum(dim=-1)  # D = rowsum(dO * out), (N, G)
+        grad_probs = torch.bmm(values3, grad_rows.transpose(1, 2))  # (N, M, G)
+        grad_logits = grad_probs.sub_(delta.unsqueeze(1)).mul_(probs).mul_(scale)  # dS = P (dP - D) scale
+        if needs[0]:
+            grad_q_rows = torch.bmm(grad_logits.transpose(1, 2), keys3)  # (N, G, d)
+            grad_q = grad_q + _from_rows(grad_q_rows, batch, num_kv_heads, q_len)
+        if reader is not None:
+            rows = slice(reader * group, (reader + 1) * group)
+            shape = (tokens, self.num_readers * group)
+            self._product_buffer("dO", (*shape, head_dim), grad_rows)[:, rows] = grad_rows
+            self._product_buffer("dS", (tokens, self.capacity, shape[1]), grad_rows)[
+                :, start:stop, rows] = grad_logits
+            self._queue_reset()
+        grads = (grad_q, grad_k, grad_v)
+        return tuple(g if need else None for g, need in zip(grads, needs))
+
+    # ---- gradients of the entries -------------------------------------------------------------------------
+
+    def entry_gradient(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The complete gradient of entry ``slot`` (key, value [B, Hkv, T, d]); every reader has run its backward."""
+        batch, num_kv_heads, q_len, _, head_dim = self.shape
+        if not self.fast:
+            grad_keys, grad_values = self.gradient_buffers()
+            return grad_keys[:, :, :, slot], grad_values[:, :, :, slot]
+        if slot in self._entry_grads:
+            return self._entry_grads.pop(slot)
+        readers = self._readers_of[slot]
+        if not readers or "dS" not in self._products:  # nobody read it (or no reader's backward ran)
+            zeros = self.keys.new_zeros(batch, num_kv_heads, q_len, head_dim)
+            return zeros, zeros
+        # The slot just before (the same layer's attention entry when this is its FFN entry) has the same
+        # readers and its writer runs next: one product forms both gradients (one read of q and dO).
+        first = slot - 1 if slot > 0 and self._readers_of[slot - 1] == readers and self._entry_grad[slot - 1] else slot
+        group = self._products["q"].shape[1] // self.num_readers
+        rows = slice(min(readers) * group, (max(readers) + 1) * group)  # readers between that skip it have dS = 0
+        grad_keys = torch.bmm(self._products["dS"][:, first:slot + 1, rows], self._products["q"][:, rows])  # (N, n, d)
+        grad_values = torch.bmm(self._products["P"][:, first:slot + 1, rows], self._products["dO"][:, rows])
+        shape = (batch, num_kv_heads, q_len, head_dim)
+        if first < slot:
+            self._entry_grads[first] = (grad_keys[:, 0].view(shape), grad_values[:, 0].view(shape))
+        return grad_keys[:, -1].view(shape), grad_values[:, -1].view(shape)
+
+    def gradient_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generic path: the gradient buffers [B, Hkv, T, M_max, d] (zeroed at the first use in a backward pass)."""
+        if self._grads is None:
+            dtype = _accumulation_dtype(self.keys.dtype)
+            self._grads = (torch.zeros(self.keys.shape, dtype=dtype, device=self.keys.device),
+                           torch.zeros(self.values.shape, dtype=dtype, device=self.values.device))
+            self._queue_reset()
+        return self._grads
+
+    def _queue_reset(self) -> None:
+        if not self._reset_queued:
+            self._reset_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Drop the backward's buffers (a second backward through a retained graph starts from zeros)."""
+        self._grads = None
+        self._entry_grads.clear()
+        self._products.pop("dS", None)
+        self._products.pop("dO", None)
+        self._reset_queued = False
+
+
+__all__ = ["DepthStream"]
