@@ -209,6 +209,15 @@ def test_float64_stays_float64(backend):
     check_run(query, sources, weight, grad_h, grad_alpha, backend, torch.float64)
 
 
+def test_autocast_keeps_fp32_math(backend):
+    """Under CPU bf16 autocast the op computes as without it (fp32 inputs: fp32 results)."""
+    shape = (2, 5, 16, 4)
+    query, sources, weight = make_inputs(shape, torch.float32)
+    grad_h, grad_alpha = make_grads(shape, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_run(query, sources, weight, grad_h, grad_alpha, backend, torch.float32)
+
+
 def test_eps_is_used(backend):
     """A large eps changes the keys exactly as RMSNorm's eps does."""
     query, sources, weight = make_inputs((1, 4, 8, 3), torch.float64, param_dtype=torch.float64)

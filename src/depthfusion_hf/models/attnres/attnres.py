@@ -1,4 +1,4 @@
-"""Attention Residuals (AttnRes), the op behind the AttnRes family (arXiv 2603.15031, PAPERS.md section 4).
+"""Attention Residuals (AttnRes), the op behind the AttnRes family (arXiv 2603.15031).
 
 Per token, over N sources ``v_i`` (earlier sub-layer or block outputs, each [B, T, D]):
 
@@ -227,13 +227,18 @@ class _AttentionResidual(torch.autograd.Function):
         h = torch.mul(sources[0].detach().to(cd), alpha[..., 0:1])
         for i in range(1, len(sources)):
             h.addcmul_(sources[i].detach(), alpha[..., i : i + 1])
-        ctx.eps = eps
+        ctx.eps, ctx.device_type = eps, sources[0].device.type
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(query, key_norm_weight, alpha, logits, torch.stack(inv_rms, dim=-1), *sources)
         return h.to(dtype), alpha
 
     @staticmethod
     def backward(ctx, grad_h, grad_alpha):  # noqa: D102
+        with torch.autocast(device_type=ctx.device_type, enabled=False):  # fp32 math in a backward under autocast
+            return _AttentionResidual._backward(ctx, grad_h, grad_alpha)
+
+    @staticmethod
+    def _backward(ctx, grad_h, grad_alpha):
         query, key_norm_weight, alpha, logits, inv_rms, *sources = ctx.saved_tensors
         n_src = len(sources)
         if grad_h is None and grad_alpha is None:
@@ -288,8 +293,9 @@ def _attnres_small(
     x = torch.stack(tuple(sources), dim=-2).to(cd)  # [B, T, N, D]
     u = query.to(cd) * key_norm_weight.to(cd)
     r = torch.rsqrt(x.pow(2).mean(dim=-1) + eps)  # [B, T, N]
-    alpha = torch.softmax(torch.matmul(x, u) * r, dim=-1)
-    h = torch.matmul(alpha.unsqueeze(-2), x).squeeze(-2)
+    # Elementwise products and sums, not matmuls: autocast (also active in a backward) leaves them alone.
+    alpha = torch.softmax((x * u).sum(dim=-1) * r, dim=-1)
+    h = (alpha.unsqueeze(-1) * x).sum(dim=-2)
     return h.to(dtype), alpha
 
 
@@ -298,14 +304,18 @@ def attnres_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The efficient PyTorch backend (:class:`_AttentionResidual`, or the stacked path for small sources).
 
+    Autocast is disabled inside: the logits, softmax and sums run in the compute dtype of the inputs.
+
     Args:
         query: [D]. sources: N tensors [B, T, D]. key_norm_weight: [D]. eps: RMSNorm epsilon.
     Returns:
         ``(h, alpha)`` as :func:`attnres_reference`.
     """
-    if sources[0].numel() <= SMALL_NUMEL:
-        return _attnres_small(query, sources, key_norm_weight, eps)
-    return _AttentionResidual.apply(query, key_norm_weight, eps, *sources)
+    # Under autocast the logit and mixing products would run in half precision: the op keeps its fp32 math.
+    with torch.autocast(device_type=sources[0].device.type, enabled=False):
+        if sources[0].numel() <= SMALL_NUMEL:
+            return _attnres_small(query, sources, key_norm_weight, eps)
+        return _AttentionResidual.apply(query, key_norm_weight, eps, *sources)
 
 
 def _route(backend: str, sources: Sequence[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor) -> str:
