@@ -9,7 +9,7 @@ the deeper baseline (it is a transformer layer).
 validates and completes its own config fields, counts its parameters, and has one forward signature
 ``forward(states, attention_mask) -> (fused, weights or None)``. A new head is a class plus an entry.
 
-The DWAtt equations are those of PAPERS.md §3, taken from a **secondary source** (a third-party
+The DWAtt equations are those of ElNokrashy et al. (arXiv 2209.15168), taken from a **secondary source** (a third-party
 reimplementation that cites the paper's equation numbers); the paper's own code is not public.
 """
 
