@@ -193,9 +193,10 @@ def _tile(dim: int, elements: int) -> tuple[int, int]:
 
 
 def _num_warps(block_t: int, block_d: int) -> int:
+    """Warps per program: about 512 tile elements per warp, 4 to 16."""
     if _INTERPRET:
         return 1
-    return 4 if block_t * block_d <= 4096 else 8
+    return min(16, max(4, block_t * block_d // 512))
 
 
 def _num_programs(num_tiles: int, device: torch.device) -> int:
@@ -255,8 +256,9 @@ class _TritonAttentionResidual(torch.autograd.Function):
         alpha = torch.exp(logits - lse[:, None]).view(batch, seq, n_src)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
-        # The caller's sources (not contiguous copies) and the output h: nothing extra stays alive.
-        ctx.save_for_backward(query, key_norm_weight, h, lse, alpha, *sources)
+        # The caller's sources (not contiguous copies) and, in fp32 where the backward reads it, the output h:
+        # nothing extra stays alive.
+        ctx.save_for_backward(query, key_norm_weight, h if h.dtype == torch.float32 else None, lse, alpha, *sources)
         return h, alpha
 
     @staticmethod
@@ -272,19 +274,21 @@ class _TritonAttentionResidual(torch.autograd.Function):
         need_dx = any(ctx.needs_input_grad[3:])
         if (grad_h is None and grad_alpha is None) or not (need_du or need_dx):
             return (None, None, None, *([None] * n_src))
-        batch, seq, dim = h.shape
+        batch, seq, dim = sources[0].shape
         num_tokens = batch * seq
-        device = h.device
+        dtype, device = sources[0].dtype, sources[0].device
         g32, w32 = key_norm_weight.float(), query.float()
         u = (w32 * g32).contiguous()
-        dh = grad_h.contiguous() if grad_h is not None else torch.zeros_like(h)
+        dh = grad_h.contiguous() if grad_h is not None else torch.zeros((batch, seq, dim), dtype=dtype, device=device)
+        delta_from_h = h is not None  # fp32: delta = dh . h; half types: a first pass over the sources
+        h = h if delta_from_h else dh  # a placeholder of the right dtype, never read
         has_da = grad_alpha is not None
         if has_da:
             da = grad_alpha.float().reshape(num_tokens, n_src).contiguous()
             ca = (alpha.reshape(num_tokens, n_src) * da).sum(dim=1)
         else:
             da = ca = lse  # never read
-        dxs = [torch.empty_like(h) for _ in range(n_src)] if need_dx else []
+        dxs = [torch.empty((batch, seq, dim), dtype=dtype, device=device) for _ in range(n_src)] if need_dx else []
         block_t, block_d = _tile(dim, INTERPRET_TILE_ELEMENTS if _INTERPRET else 4096)
         num_tiles = triton.cdiv(num_tokens, block_t)
         programs = _num_programs(num_tiles, device) if num_tokens > 0 else 1
@@ -296,7 +300,7 @@ class _TritonAttentionResidual(torch.autograd.Function):
             attnres_bwd_kernel[(programs,)](
                 x_ptrs, dx_ptrs, u, h, dh, lse, da, ca, du_partial, num_tokens, dim, n_src, ctx.eps, num_tiles,
                 BLOCK_T=block_t, BLOCK_D=block_d, HAS_DX=need_dx, HAS_DU=need_du, HAS_DA=has_da,
-                DELTA_FROM_H=h.dtype == torch.float32, num_warps=_num_warps(block_t, block_d),
+                DELTA_FROM_H=delta_from_h, num_warps=_num_warps(block_t, block_d),
             )
         du = du_partial.sum(dim=0)
         d_q = (du * g32).to(query.dtype) if ctx.needs_input_grad[0] else None
