@@ -14,15 +14,9 @@ from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .fusion_dwatt import FUSION_HEADS
-from .sizes_dwatt import (  # noqa: F401  (re-exported: the arithmetic's historical home)
-    check_fraction,
-    check_int,
-    concat_head_num_params,
-    deeper_head_num_params,
-    dwatt_head_num_params,
-    solve_concat_hidden_size,
-    solve_deeper_intermediate_size,
-)
+
+# The parameter counts are re-exported: this module was their home before sizes_dwatt.py.
+from .sizes_dwatt import check_fraction, concat_head_num_params, deeper_head_num_params, dwatt_head_num_params  # noqa: F401
 
 FUSION_METHODS = tuple(FUSION_HEADS)  # ("dwatt", "concat", "last", "deeper")
 _BACKBONE_HINT = "pass the encoder's config, e.g. BertConfig(...) or {'model_type': 'bert', ...}"
