@@ -8,6 +8,7 @@ The Triton kernel has the same checks in ``tests/kernels/test_attnres_triton.py`
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -274,6 +275,19 @@ def test_float64_work_is_routed_away_from_triton(monkeypatch, where):
     assert h.dtype == dtype
     rounded = torch.float32 if dtype == torch.float32 else None  # computed in float64, rounded to fp32
     assert_scaled_close(h, h64, torch.float64, 64, "h", rounded_to=rounded)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="the kernel accepts these tensors here (CUDA or interpreted Triton)")
+def test_kernel_rejects_cpu_tensors_without_interpreter():
+    """Called directly (bypassing resolve_backend), the kernel refuses CPU tensors instead of crashing."""
+    from depthfusion_hf.models.attnres import attnres_triton
+
+    if attnres_triton.triton is None:
+        pytest.skip("Triton does not import here")
+    query, sources, weight = make_inputs((1, 2, 4, 2), torch.float32)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        attnres_triton.triton_attention_residual(query, sources, weight, 1e-6)
 
 
 # ---------------------------------------------------------------- bad inputs
