@@ -12,8 +12,6 @@ table reports medians and ratios against transformers' own ``LlamaForCausalLM``.
 - decode: ``generate`` with the KV cache, greedy, batch 1, a 32-token prompt, 64 new tokens;
 - ``llama-control``: a second, identical Llama measured like the others: its ratio against
   ``llama`` is the noise floor of the run (placement, other jobs on shared cores);
-- ``denseformer-*-run``: the same DenseFormer with the proposed model change applied from outside
-  (the DWA steps of each forward pass go through one ``DepthWeightedAverageRun``).
 
 Time is process CPU time on CPU (the cores are shared), wall time on CUDA. Ratios and verdicts use
 the median over repeats of the paired ratio (repeat i of a model ÷ repeat i of Llama, measured back to
@@ -52,14 +50,11 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import depthfusion_hf  # noqa: E402
 from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM  # noqa: E402
-from depthfusion_hf.models.denseformer.dwa import DepthWeightedAverageRun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {  # ratios against Llama: train ≤ bound, peak ≤ bound, decode ≥ bound
     "denseformer-4x5": {"train": 1.03, "decode": 0.95},
     "denseformer-1x1": {"train": 1.10, "decode": 0.95},
-    "denseformer-4x5-run": {"train": 1.03},
-    "denseformer-1x1-run": {"train": 1.10},
     "moda": {"train": 1.15, "peak": 1.25, "decode": 0.90},  # issue 10
     "moda-noffn": {"train": 1.06, "peak": 1.25, "decode": 0.90},
 }
@@ -80,23 +75,7 @@ def load_moda_folder(folder: Path, name: str = BEFORE_PACKAGE):
 
 def with_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
     """Gradient checkpointing on every decoder layer (transformers' non-reentrant default)."""
-    model.gradient_checkpointing_enable()
-    return model
-
-
-def use_gathered_dwa(model: DenseFormerForCausalLM) -> DenseFormerForCausalLM:
-    """Proposed model change, applied from outside: route the DWA steps of each forward pass through
-    one ``DepthWeightedAverageRun`` (one gradient tensor per block output instead of one per use)."""
-    dwa = model.model.dwa
-
-    def new_run(module, args, kwargs):
-        dwa._run = DepthWeightedAverageRun()
-
-    def forward(sources: list[torch.Tensor], step: int) -> torch.Tensor:
-        return dwa._run(sources, dwa.sources[step], dwa.step_weights(step))
-
-    model.model.register_forward_pre_hook(new_run, with_kwargs=True)
-    dwa.forward = forward
+    model.activation_checkpointing_enable()
     return model
 
 
@@ -114,10 +93,6 @@ def build_models(args, device: torch.device, dtype: torch.dtype) -> dict[str, to
         "llama-control": lambda: LlamaForCausalLM(LlamaConfig(**common)),
         "denseformer-1x1": lambda: DenseFormerForCausalLM(DenseFormerConfig(**common, dwa_dilation=1, dwa_period=1)),
         "denseformer-4x5": lambda: DenseFormerForCausalLM(DenseFormerConfig(**common, dwa_dilation=4, dwa_period=5)),
-        "denseformer-1x1-run": lambda: use_gathered_dwa(
-            DenseFormerForCausalLM(DenseFormerConfig(**common, dwa_dilation=1, dwa_period=1))),
-        "denseformer-4x5-run": lambda: use_gathered_dwa(
-            DenseFormerForCausalLM(DenseFormerConfig(**common, dwa_dilation=4, dwa_period=5))),
     }
     specs["llama-ckpt"] = lambda: with_checkpointing(LlamaForCausalLM(LlamaConfig(**common)))
     if hasattr(depthfusion_hf, "MoDAForCausalLM"):

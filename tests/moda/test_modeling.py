@@ -201,6 +201,10 @@ def test_auto_classes_and_tied_embeddings():
         (dict(hidden_size=50), "hidden_size"),
         (dict(num_hidden_layers=0), "num_hidden_layers"),
         (dict(head_dim=7), "head_dim"),
+        (dict(moda_depth_window=0), "moda_depth_window"),
+        (dict(moda_depth_window=5), "moda_depth_window"),
+        (dict(moda_depth_window=2.0), "moda_depth_window"),
+        (dict(moda_depth_window=True), "moda_depth_window"),
     ],
 )
 def test_invalid_config_raises(overrides, field):

@@ -1,0 +1,246 @@
+"""The whole-pass depth stream: same function as the tuple-and-stack path, autograd ordering, windows, fast paths."""
+
+import gc
+import importlib
+import weakref
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import depthfusion_hf.models.moda.modeling_moda as modeling_moda
+from depthfusion_hf import MoDAForCausalLM, MoDAModel
+from depthfusion_hf.models.moda.depth_stream import DepthStream
+
+from .helpers import tiny_config, tiny_model
+
+# The package exports the op under the submodule's name, so the module is looked up explicitly.
+moda_attention_module = importlib.import_module("depthfusion_hf.models.moda.moda_attention")
+
+
+def run(model, ids, mask=None, stream=True):
+    """Logits and parameter gradients of one forward + backward, on the stream or the tuple path."""
+    model.zero_grad(set_to_none=True)
+    if not stream:
+        model.model.uses_depth_stream = lambda *args: False
+    try:
+        out = model(ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+    finally:
+        model.model.__dict__.pop("uses_depth_stream", None)
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(a, b, dtype):
+    """Equal up to the rounding of a different summation order: 64 eps of the largest magnitude involved."""
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(a, b, rtol=0, atol=64 * eps * max(a.abs().max().item(), b.abs().max().item(), 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"moda_ffn_kv": False}, {"norm_position": "post"}, {"moda_depth_window": 2}, {"num_key_value_heads": 4}],
+)
+def test_stream_equals_tuple_path(overrides, dtype):
+    model = tiny_model(**overrides).to(dtype).train()
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding: rows with no visible sequence key in layer 0
+    logits, grads = run(model, ids, mask, stream=True)
+    ref_logits, ref_grads = run(model, ids, mask, stream=False)
+    assert_same(logits, ref_logits, dtype)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        assert_same(grads[name], grad, dtype)
+    assert ref_grads["model.layers.0.self_attn.k_proj.weight"].abs().max() > 0
+
+
+def test_stream_is_used_and_every_writer_runs_after_its_readers(monkeypatch):
+    model = tiny_model().train()
+    order = []
+    real_gradient = DepthStream.entry_gradient
+    real_backward = DepthStream.fast_backward
+
+    def entry_gradient(self, slot):
+        order.append(("write", slot))
+        return real_gradient(self, slot)
+
+    def fast_backward(self, saved, grad_out, needs, reader, start, stop):
+        order.append(("read", start, stop))
+        return real_backward(self, saved, grad_out, needs, reader, start, stop)
+
+    monkeypatch.setattr(DepthStream, "entry_gradient", entry_gradient)
+    monkeypatch.setattr(DepthStream, "fast_backward", fast_backward)
+    ids = torch.randint(3, 97, (2, 6))
+    model(ids, labels=ids).loss.backward()
+    writes = [event[1] for event in order if event[0] == "write"]
+    assert sorted(writes) == list(range(6))  # 3 layers x (attention, FFN) entries, each gradient formed once
+    for position, event in enumerate(order):
+        if event[0] == "write":
+            later_reads = [e for e in order[position:] if e[0] == "read" and e[1] <= event[1] < e[2]]
+            assert not later_reads, f"slot {event[1]} formed before a reader's backward: {order}"
+
+
+def test_partially_frozen_model_matches_tuple_path():
+    model = tiny_model().train()
+    for name, param in model.named_parameters():
+        if name.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1.self_attn")):
+            param.requires_grad_(False)
+    ids = torch.randint(3, 97, (2, 7))
+    logits, grads = run(model, ids)
+    ref_logits, ref_grads = run(model, ids, stream=False)
+    assert_same(logits, ref_logits, torch.float32)
+    assert grads.keys() == ref_grads.keys() and "model.layers.1.ffn_kv_proj.weight" in grads
+    for name, grad in ref_grads.items():
+        assert_same(grads[name], grad, torch.float32)
+
+
+def test_retained_graph_backward_twice_gives_the_same_gradients():
+    model = tiny_model().train()
+    ids = torch.randint(3, 97, (2, 7))
+    loss = model(ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    first = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, first[name], rtol=0, atol=0, msg=name)  # the same arithmetic twice
+
+
+def test_stream_is_freed_without_the_garbage_collector(monkeypatch):
+    model = tiny_model().train()
+    streams = []
+    real = MoDAModel.depth_stream
+
+    def capture(self, hidden_states, attention_mask):
+        stream = real(self, hidden_states, attention_mask)
+        streams.append(weakref.ref(stream))
+        return stream
+
+    monkeypatch.setattr(MoDAModel, "depth_stream", capture)
+    ids = torch.randint(3, 97, (2, 7))
+    gc.collect()
+    gc.disable()
+    try:
+        loss = model(ids, labels=ids).loss
+        assert streams[0]() is not None  # the graph holds it until the backward
+        loss.backward()
+        del loss
+        assert streams[0]() is None, "a reference cycle keeps the depth stream (and its buffers) alive"
+    finally:
+        gc.enable()
+
+
+def test_gradient_checkpointing_uses_the_tuple_path():
+    model = tiny_model().train()
+    ids = torch.randint(3, 97, (2, 7))
+    probe = torch.zeros(2, 1, 7, 48)
+    assert model.model.uses_depth_stream(probe, None, "torch")
+    model.activation_checkpointing_enable()
+    assert not model.model.uses_depth_stream(probe, None, "torch")
+    with torch.no_grad():  # no backward to replay: the stream again
+        assert model.model.uses_depth_stream(probe, None, "torch")
+    model(ids, labels=ids).loss.backward()
+
+
+@pytest.mark.parametrize("ffn_kv", [True, False])
+@pytest.mark.parametrize("window", [1, 2])
+def test_depth_window_reads_the_last_w_layers(monkeypatch, window, ffn_kv):
+    model = tiny_model(moda_depth_window=window, moda_ffn_kv=ffn_kv)
+    seen = []
+    real = DepthStream.attend
+
+    def spy(self, q, k, v, attention_mask, scale, start, stop):
+        seen.append((start, stop))
+        return real(self, q, k, v, attention_mask, scale, start, stop)
+
+    monkeypatch.setattr(DepthStream, "attend", spy)
+    ids = torch.randint(3, 97, (2, 6))
+    with torch.no_grad():
+        model(ids)
+    per_layer = 2 if ffn_kv else 1
+    assert seen == [(max(0, layer - window) * per_layer, layer * per_layer) for layer in range(4)]
+
+
+def test_depth_window_changes_the_model_and_full_window_is_none():
+    ids = torch.randint(3, 97, (2, 6))
+    with torch.no_grad():
+        full = tiny_model()(ids).logits
+        same = tiny_model(moda_depth_window=4)(ids).logits  # W >= L - 1 reads every earlier layer: same slots
+        narrow = tiny_model(moda_depth_window=1)(ids).logits
+    assert torch.equal(full, same)
+    assert (full - narrow).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_ffn_entry_is_exactly_the_projected_mlp_input(monkeypatch, norm_position):
+    """docs/MODA.md: the FFN-side entry is ffn_kv_proj(MLP input), key rotated by its token's position."""
+    model = tiny_model(norm_position=norm_position)
+    layer = model.model.layers[1]
+    mlp_inputs, written = [], {}
+    layer.mlp.register_forward_pre_hook(lambda module, args: mlp_inputs.append(args[0]))
+    real = DepthStream.write
+
+    def spy(self, slot, key, value):
+        written[slot] = (key.clone(), value.clone())
+        return real(self, slot, key, value)
+
+    monkeypatch.setattr(DepthStream, "write", spy)
+    ids = torch.randint(3, 97, (2, 5))
+    with torch.no_grad():
+        model(ids)
+        x = mlp_inputs[0]  # (B, T, D)
+        kv = F.linear(x, layer.ffn_kv_proj.weight, layer.ffn_kv_proj.bias).view(2, 5, 2, 2, 12)  # (B, T, Hkv, 2, d)
+        cos, sin = model.model.rotary_emb(x, torch.arange(5).unsqueeze(0))
+        key, value = kv[:, :, :, 0].transpose(1, 2), kv[:, :, :, 1].transpose(1, 2)  # (B, Hkv, T, d)
+        half = key.shape[-1] // 2
+        rotated = torch.cat([-key[..., half:], key[..., :half]], dim=-1)
+        expected_key = key * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    got_key, got_value = written[layer.depth_slot + 1]
+    scale = 64 * torch.finfo(torch.float32).eps * kv.abs().max().item()
+    torch.testing.assert_close(got_value, value, rtol=0, atol=scale)
+    torch.testing.assert_close(got_key, expected_key, rtol=0, atol=scale)
+
+
+def test_cached_decode_resolves_the_backend_once_and_skips_validation(monkeypatch):
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 5))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+    calls = []
+    real_resolve = modeling_moda.resolve_backend
+    monkeypatch.setattr(modeling_moda, "resolve_backend", lambda *a: calls.append(a) or real_resolve(*a))
+
+    def no_validation(*args, **kwargs):
+        raise AssertionError("the public op's validation ran in the layer loop")
+
+    monkeypatch.setattr(moda_attention_module, "check_moda_inputs", no_validation)
+    with torch.no_grad():
+        step = model(torch.randint(3, 97, (1, 1)), cache=cache, use_cache=True).logits
+    assert len(calls) == 1 and step.shape == (1, 1, 97)
+
+
+def test_mutated_config_is_rejected_at_model_construction():
+    config = tiny_config()
+    config.moda_depth_window = 0
+    with pytest.raises(ValueError, match="moda_depth_window"):
+        MoDAForCausalLM(config)
+    config = tiny_config()
+    config.norm_position = "sandwich"
+    with pytest.raises(ValueError, match="norm_position"):
+        MoDAForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    "ids,message",
+    [
+        (torch.zeros(1, 0, dtype=torch.long), r"at least one token; got shape \(1, 0\)"),
+        (torch.tensor([[3, 97]]), r"\[0, vocab_size=97\); got min 3, max 97"),
+        (torch.tensor([[-1, 5]]), r"got min -1, max 5"),
+        (torch.tensor([[1.0, 2.0]]), "integer tensor"),
+    ],
+)
+def test_bad_token_inputs_raise(ids, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model()(ids)
