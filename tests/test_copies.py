@@ -174,3 +174,23 @@ def test_fix_handles_several_drifted_copies_in_one_file(tmp_path):
     assert len(check_copies(src)) == 2
     assert len(check_copies(src, fix=True)) == 2  # both reported, both fixed
     assert copy_path.read_text() == COPY
+
+
+def test_a_marker_between_decorators_and_def_compares_from_the_def_line(tmp_path):
+    marker = "    # Copied from depthfusion_hf.fam_a.original.DenseFormerThing.method with DenseFormer->MoDA\n"
+    below = COPY.replace(marker + "    @staticmethod\n", "    @staticmethod\n" + marker)
+    assert below != COPY
+    src, copy_path = make_tree(tmp_path, below.replace("    @staticmethod\n", "    @some_other_decorator\n"))
+    assert check_copies(src) == []  # decorators above the marker are not part of the copy
+    drifted = below.replace("return value + 1\n", "return value - 1\n")
+    copy_path.write_text(drifted)
+    problems = check_copies(src)
+    assert [problem.line for problem in problems] == [18]
+    check_copies(src, fix=True)
+    assert copy_path.read_text() == below
+
+
+def test_a_file_that_does_not_parse_is_a_problem_not_a_crash(tmp_path):
+    src, copy_path = make_tree(tmp_path, COPY + "\ndef broken(:\n")
+    problems = check_copies(src)
+    assert len(problems) == 1 and "cannot parse the file" in problems[0].message and problems[0].path == copy_path

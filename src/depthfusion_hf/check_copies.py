@@ -87,9 +87,13 @@ def _definitions(tree: ast.AST) -> list[ast.AST]:
     return [node for node in ast.walk(tree) if isinstance(node, _DEFINITIONS)]
 
 
-def _block(lines: list[str], node: ast.AST) -> str:
-    """The definition's source (decorators included), dedented, trailing whitespace of each line removed."""
-    text = "".join(lines[_start_line(node) - 1 : node.end_lineno])
+def _first_line(node: ast.AST, with_decorators: bool) -> int:
+    return _start_line(node) if with_decorators else node.lineno
+
+
+def _block(lines: list[str], node: ast.AST, with_decorators: bool = True) -> str:
+    """The definition's source (decorators included unless told), dedented, trailing whitespace removed."""
+    text = "".join(lines[_first_line(node, with_decorators) - 1 : node.end_lineno])
     return "\n".join(line.rstrip() for line in textwrap.dedent(text).splitlines()) + "\n"
 
 
@@ -142,13 +146,23 @@ def _python_files(src_root: Path) -> list[Path]:
     return sorted(path for path in src_root.rglob("*.py") if "__pycache__" not in path.parts)
 
 
-def _check_file(path: Path, src_root: Path) -> list[tuple[Problem, ast.AST | None, str]]:
-    """Every marker in ``path``, each as (problem or None when the copy matches, copy node, expected text)."""
+def _check_file(path: Path, src_root: Path) -> list[tuple[Problem, tuple[ast.AST, bool] | None, str]]:
+    """Every marker in ``path``, each as (problem or None when the copy matches, (copy node, whether the copy
+    starts at its decorators), expected text).
+
+    A marker may stand above a definition's decorators (they are then part of the copy) or between its
+    decorators and the ``def`` / ``class`` line (they are then left out on both sides).
+    """
     source = path.read_text(encoding="utf-8")
     lines = source.splitlines(keepends=True)
-    starts = {}
-    for node in _definitions(ast.parse(source, filename=str(path))):
-        starts.setdefault(_start_line(node), node)
+    try:
+        tree = ast.parse(source, filename=str(path))
+    except SyntaxError as error:
+        return [(Problem(path, error.lineno or 0, "", f"cannot parse the file: {error.msg}"), None, "")]
+    starts: dict[int, tuple[ast.AST, bool]] = {}
+    for node in _definitions(tree):
+        starts.setdefault(_start_line(node), (node, True))
+        starts.setdefault(node.lineno, (node, False))
     results = []
     for number, line in _marker_lines(source):
         match = MARKER.match(line)
@@ -158,32 +172,34 @@ def _check_file(path: Path, src_root: Path) -> list[tuple[Problem, ast.AST | Non
             results.append((Problem(path, number, target, "the marker is not directly above a def or class"), None,
                             ""))
             continue
+        node, with_decorators = copy
         try:
             replacements = parse_replacements(match.group("replace"))
             _, original_lines, original = find_object(src_root, target)
-        except (LookupError, ValueError) as error:
+        except (LookupError, ValueError, SyntaxError) as error:
             results.append((Problem(path, number, target, f"cannot resolve the marker: {error}"), None, ""))
             continue
-        expected = apply_replacements(_block(original_lines, original), replacements)
-        actual = _block(lines, copy)
+        expected = apply_replacements(_block(original_lines, original, with_decorators), replacements)
+        actual = _block(lines, node, with_decorators)
         if actual == expected:
             results.append((None, copy, expected))
             continue
         diff = "".join(difflib.unified_diff(expected.splitlines(keepends=True), actual.splitlines(keepends=True),
-                                            f"{target} (expected)", f"{path}:{_start_line(copy)}"))
-        message = f"the copy of `{copy.name}` differs from its original"
+                                            f"{target} (expected)", f"{path}:{number + 1}"))
+        message = f"the copy of `{node.name}` differs from its original"
         results.append((Problem(path, number, target, message, diff, fixable=True), copy, expected))
     return results
 
 
-def _rewrite(path: Path, fixes: list[tuple[ast.AST, str]]) -> None:
-    """Replace each copy node's lines by the expected text, indented like the copy (bottom-up)."""
+def _rewrite(path: Path, fixes: list[tuple[tuple[ast.AST, bool], str]]) -> None:
+    """Replace each copy's lines by the expected text, indented like the copy (bottom-up)."""
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    for node, expected in sorted(fixes, key=lambda item: _start_line(item[0]), reverse=True):
-        first = lines[_start_line(node) - 1]
+    for (node, with_decorators), expected in sorted(fixes, key=lambda item: item[0][0].lineno, reverse=True):
+        first_line = _first_line(node, with_decorators)
+        first = lines[first_line - 1]
         indent = first[: len(first) - len(first.lstrip())]
         new = [(indent + line if line.strip() else line) for line in expected.splitlines(keepends=True)]
-        lines[_start_line(node) - 1 : node.end_lineno] = new
+        lines[first_line - 1 : node.end_lineno] = new
     path.write_text("".join(lines), encoding="utf-8")
 
 
