@@ -134,3 +134,14 @@ def test_kshot_refuses_an_empty_entity_type_list():
     pool = [{"tokens": ["Ann"], "ner_tags": ["B-PER"]}]
     with pytest.raises(ValueError, match="entity_types is empty"):
         sample_kshot(pool, 1, seed=0, entity_types=[])
+
+
+def test_a_dataset_folder_with_numeric_texts_is_rejected_naming_the_row(tmp_path):
+    # load_dataset's own route (a folder instead of a Hub id; tests/conftest.py gives it a private HF_HOME)
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    write(folder, "train.jsonl", b'{"text": 1}\n{"text": 2}\n')
+    with pytest.raises(ValueError, match=r"column 'text' must hold strings; row 0 holds int \(1\)"):
+        load_documents(dataset=str(folder))
+    write(folder, "train.jsonl", b'{"text": "kept"}\n{"text": null}\n{"text": " "}\n')
+    assert load_documents(dataset=str(folder)) == ["kept"]

@@ -122,7 +122,8 @@ def load_documents(
 
     Args:
         dataset: ``"kjv"`` (built-in, the default when nothing is given) or a Hub dataset id
-            (needs network access, loaded with ``datasets.load_dataset``).
+            (needs network access, loaded with ``datasets.load_dataset``); missing (``None``) and blank
+            texts are skipped, a non-string text is a ValueError naming the row.
         files: local ``.txt``/``.md`` (paragraphs are documents) or ``.json``/``.jsonl`` files, read by
             :func:`read_text_documents` / :func:`read_json_documents` (UTF-8, BOM and Windows line ends
             accepted; bad bytes, bad JSON and non-string texts are errors naming the file and line).
@@ -144,7 +145,12 @@ def load_documents(
         data = load_dataset(dataset, dataset_config, split=split)
         if text_column not in data.column_names:
             raise ValueError(f"dataset {dataset!r} has no column {text_column!r}; columns: {data.column_names}")
-        documents = [t for t in data[text_column] if t and t.strip()]
+        texts = data[text_column]
+        bad = next((i for i, t in enumerate(texts) if t is not None and not isinstance(t, str)), None)
+        if bad is not None:
+            raise ValueError(f"dataset {dataset!r}: column {text_column!r} must hold strings; row {bad} holds "
+                             f"{type(texts[bad]).__name__} ({texts[bad]!r:.40})")
+        documents = [t for t in texts if t and t.strip()]  # missing (None) and blank texts are no documents
     if not documents:
         raise ValueError("the corpus is empty")
     return documents
