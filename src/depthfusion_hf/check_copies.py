@@ -127,9 +127,12 @@ def find_object(src_root: Path, target: str) -> tuple[Path, list[str], ast.AST]:
 def _marker_lines(source: str) -> list[tuple[int, str]]:
     """(line number, line) of each comment-only line that is a marker; text inside strings is not a comment."""
     found = []
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT and not token.line[: token.start[1]].strip() and MARKER.match(token.line):
-            found.append((token.start[0], token.line))
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.COMMENT and not token.line[: token.start[1]].strip() and MARKER.match(token.line):
+                found.append((token.start[0], token.line))
+    except (tokenize.TokenError, SyntaxError):
+        pass  # a file that does not tokenize is reported by _check_file (it does not parse either)
     return found
 
 
