@@ -34,14 +34,15 @@ def make_inputs(
     *,
     seed: int = 0,
     query_scale: float = 2.0,
-    non_contiguous: bool = False,
+    non_contiguous: bool | str = False,
     param_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """``(query [D], sources N x [B, T, D], key_norm_weight [D])``, all leaves requiring grad.
 
     Sources have different magnitudes (so their norms differ); the logits have a standard deviation
-    of about ``query_scale`` (2: a clearly non-uniform softmax). ``non_contiguous`` builds every
-    source as a transposed view ([B, D, T] storage).
+    of about ``query_scale`` (2: a clearly non-uniform softmax). ``non_contiguous``: False or
+    ``"contiguous"``; True or ``"transposed"`` (views of [B, D, T] storage); ``"strided"`` (every other
+    element along D of a [B, T, 2D] tensor).
     """
     batch, seq, dim, n_src = shape
     gen = torch.Generator().manual_seed(seed)
@@ -52,7 +53,14 @@ def make_inputs(
         scale = 0.5 + 2.5 * i / max(n_src - 1, 1)
         x = scale * torch.randn(batch, dim, seq, generator=gen, dtype=torch.float64)
         x = x.to(device, dtype)
-        x = x.transpose(1, 2) if non_contiguous else x.transpose(1, 2).contiguous()
+        if non_contiguous == "strided":
+            wide = torch.zeros(batch, seq, 2 * dim, device=device, dtype=dtype)
+            wide[..., ::2] = x.transpose(1, 2)
+            x = wide[..., ::2]
+        elif non_contiguous in (True, "transposed"):
+            x = x.transpose(1, 2)
+        else:
+            x = x.transpose(1, 2).contiguous()
         sources.append(x.requires_grad_())
     query = query.to(device, param_dtype).requires_grad_()
     weight = weight.to(device, param_dtype).requires_grad_()

@@ -363,17 +363,22 @@ def test_bad_inputs_are_rejected(category, case_id, kwargs, message):
 @st.composite
 def _cases(draw):
     shape = (draw(st.integers(1, 3)), draw(st.integers(1, 17)), draw(st.integers(1, 40)), draw(st.integers(1, 6)))
-    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-    path = draw(st.sampled_from(["reference", "torch-list", "torch-small"]))
-    query_scale = draw(st.sampled_from([0.0, 0.5, 3.0, 8.0]))
-    return shape, dtype, path, draw(st.booleans()), draw(st.integers(0, 2**16)), query_scale
+    return dict(
+        shape=shape,
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
+        path=draw(st.sampled_from(["reference", "torch-list", "torch-small"])),
+        layout=draw(st.sampled_from(["contiguous", "transposed", "strided"])),
+        param_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        seed=draw(st.integers(0, 2**16)),
+        query_scale=draw(st.sampled_from([0.0, 0.5, 3.0, 8.0])),
+    )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_cases())
 def test_fuzz_against_float64_truth(case, monkeypatch):
-    """Shapes, strides, dtypes, softmax sharpness and backends, against the float64 reference."""
-    shape, dtype, path, non_contiguous, seed, query_scale = case
+    """Shapes, strides, dtypes, parameter dtypes, softmax sharpness and backends, against the float64 reference."""
+    path = case["path"]
     monkeypatch.setattr(attnres, "SMALL_NUMEL", {"torch-list": -1, "torch-small": 1 << 40}.get(path, 1 << 14))
-    run_and_check(shape, dtype, path.split("-")[0], seed=seed, query_scale=query_scale,
-                  non_contiguous=non_contiguous)
+    run_and_check(case["shape"], case["dtype"], path.split("-")[0], seed=case["seed"], query_scale=case["query_scale"],
+                  non_contiguous=case["layout"], param_dtype=case["param_dtype"])

@@ -156,13 +156,19 @@ def test_empty_token_dims(batch, seq):
 @st.composite
 def _cases(draw):
     shape = (draw(st.integers(1, 2)), draw(st.integers(1, 9)), draw(st.integers(1, 40)), draw(st.integers(1, 5)))
-    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-    return shape, dtype, draw(st.booleans()), draw(st.integers(0, 2**16)), draw(st.sampled_from([0.0, 0.5, 3.0, 8.0]))
+    return dict(
+        shape=shape,
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
+        layout=draw(st.sampled_from(["contiguous", "transposed", "strided"])),
+        param_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        seed=draw(st.integers(0, 2**16)),
+        query_scale=draw(st.sampled_from([0.0, 0.5, 3.0, 8.0])),
+    )
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_cases())
 def test_fuzz_against_float64_truth(case):
-    """Shapes, strides, dtypes and softmax sharpness through the fused kernels."""
-    shape, dtype, non_contiguous, seed, query_scale = case
-    run_and_check(shape, dtype, "triton", DEVICE, seed=seed, query_scale=query_scale, non_contiguous=non_contiguous)
+    """Shapes, strides, dtypes, parameter dtypes and softmax sharpness through the fused kernels."""
+    run_and_check(case["shape"], case["dtype"], "triton", DEVICE, seed=case["seed"], query_scale=case["query_scale"],
+                  non_contiguous=case["layout"], param_dtype=case["param_dtype"])
