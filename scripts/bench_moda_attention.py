@@ -58,14 +58,24 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps:
     return statistics.median(times)
 
 
-def make_inputs(B: int, Hq: int, Hkv: int, T: int, M: int, d: int, device: torch.device, dtype: torch.dtype):
-    """q [B, Hq, T, d]; k, v [B, Hkv, T, d]; depth_k, depth_v [B, Hkv, T, M, d] (leaves needing grad)."""
+def make_inputs(B: int, Hq: int, Hkv: int, T: int, M: int, d: int, device: torch.device, dtype: torch.dtype,
+                depth_layout: str = "stacked"):
+    """q [B, Hq, T, d]; k, v [B, Hkv, T, d]; depth_k, depth_v [B, Hkv, T, M, d] (needing grad).
+
+    ``depth_layout="stacked"``: the depth tensors are fresh contiguous leaves (a per-layer stack);
+    ``"buffer"``: they are the first M entries of token-major [B, Hkv, T, M + 2, d] buffers (the
+    model's depth stream, which reads a layer's entries in place; not contiguous).
+    """
     g = torch.Generator().manual_seed(0)
 
     def leaf(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_()
 
-    return leaf(B, Hq, T, d), leaf(B, Hkv, T, d), leaf(B, Hkv, T, d), leaf(B, Hkv, T, M, d), leaf(B, Hkv, T, M, d)
+    if depth_layout == "buffer":
+        depth = [leaf(B, Hkv, T, M + 2, d)[:, :, :, :M] for _ in range(2)]
+    else:
+        depth = [leaf(B, Hkv, T, M, d) for _ in range(2)]
+    return [leaf(B, Hq, T, d), leaf(B, Hkv, T, d), leaf(B, Hkv, T, d), *depth]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -123,6 +133,8 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=None,
                         help="moda_attention backends (default: torch, plus triton when it can run)")
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    parser.add_argument("--depth-layout", default="stacked", choices=["stacked", "buffer"],
+                        help="depth entries as fresh tensors or as slices of a larger token-major buffer")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--cpu-torch-limit-gib", type=float, default=8.0,
@@ -149,7 +161,8 @@ def main() -> None:
 
     machine = machine_name(device)
     print(f"machine: {machine}   torch {torch.__version__}   commit {git_commit()}")
-    print(f"B={B} Hq={Hq} Hkv={Hkv} d={d} {dtype}  warmup={warmup} reps={reps}  backends={impls}")
+    print(f"B={B} Hq={Hq} Hkv={Hkv} d={d} {dtype}  warmup={warmup} reps={reps}  backends={impls}  "
+          f"depth layout={args.depth_layout}")
     check = sanity_check(impls, B, Hq, Hkv, min(Ts[0], 256), d, device, dtype)
     print("sanity (M=0 vs SDPA, max abs diff): " + ", ".join(f"{k} {v:.1e}" for k, v in check.items()))
 
@@ -160,7 +173,7 @@ def main() -> None:
     for T in Ts:
         for L in Ls:
             M = 2 * L
-            inputs = make_inputs(B, Hq, Hkv, T, M, d, device, dtype)
+            inputs = make_inputs(B, Hq, Hkv, T, M, d, device, dtype, args.depth_layout)
             for mode in args.modes:
                 row_ms, row_mib = {}, {}
                 for impl in ["sdpa", *impls]:
@@ -188,7 +201,8 @@ def main() -> None:
     if args.out:
         record = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine,
                       torch=torch.__version__, commit=git_commit(), device=args.device, dtype=str(dtype),
-                      B=B, Hq=Hq, Hkv=Hkv, d=d, warmup=warmup, reps=reps, sanity=check, results=results)
+                      B=B, Hq=Hq, Hkv=Hkv, d=d, warmup=warmup, reps=reps, depth_layout=args.depth_layout,
+                      sanity=check, results=results)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(record) + "\n")
