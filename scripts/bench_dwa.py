@@ -11,9 +11,7 @@ Simulates a k×p DenseFormer of ``d`` blocks in which each block is a cheap memo
                 ``tensordot(alpha, accumulator[:n])`` -- the **baseline**;
 - ``reference`` the paper's naive loop (Listing 1), ``backend="reference"``;
 - ``torch``     our PyTorch path over the list of sources (``backend="torch"``);
-- ``triton``    our fused kernel (``backend="triton"``, CUDA only);
-- ``*-run``     the same through ``DepthWeightedAverageRun``: each block output's gradient is gathered
-                once in the backward instead of one tensor per (step, source) pair.
+- ``triton``    our fused kernel (``backend="triton"``, CUDA only).
 
 Reported per (depth, k×p): median time of forward+backward, peak memory allocated during it,
 and ratios against the baseline; ``DWA ms`` is the time above ``none``. On CUDA a second table
@@ -37,11 +35,7 @@ from pathlib import Path
 import torch
 from bench_common import DTYPES, REPO, clock, git_commit, machine_name, peak_memory_bytes, sync
 
-from depthfusion_hf.models.denseformer.dwa import (
-    DepthWeightedAverageRun,
-    depth_weighted_average,
-    dwa_triton_forward_backward_available,
-)
+from depthfusion_hf.models.denseformer.dwa import depth_weighted_average, dwa_triton_forward_backward_available
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,23 +146,18 @@ def make_runner(impl: str, depth: int, dilation: int, period: int, x0: torch.Ten
         return run, [scales, *mod.alphas]
 
     ours = OurDWA(depth, dilation, period, dev, torch.float32)
-    backend = None if impl == "none" else impl.removesuffix("-run")
-    gathered = impl.endswith("-run")
+    backend = None if impl == "none" else impl
 
     def run() -> torch.Tensor:
         x = x0
         outputs = {0: x} if 0 in ours.needed else {}
-        dwa_run = DepthWeightedAverageRun(backend) if gathered else None
         for i in range(1, depth + 1):
             x = x * scales[i - 1]
             if i in ours.needed:
                 outputs[i] = x
             if backend is not None and i in ours.offsets:
                 ids = ours.sources[i]
-                if dwa_run is not None:
-                    x = dwa_run([outputs[j] for j in ids], ids, ours.weights(i))
-                else:
-                    x = depth_weighted_average([outputs[j] for j in ids], ours.weights(i), backend=backend)
+                x = depth_weighted_average([outputs[j] for j in ids], ours.weights(i), backend=backend)
         loss = x.float().square().mean()
         loss.backward()
         return loss
@@ -178,7 +167,7 @@ def make_runner(impl: str, depth: int, dilation: int, period: int, x0: torch.Ten
     return run, params
 
 
-def check_same_results(runners: dict[str, tuple[Callable, list[torch.Tensor]]], depth: int) -> None:
+def check_same_results(runners: dict[str, tuple[Callable, list[torch.Tensor]]], depth: int, dtype: torch.dtype) -> None:
     """All DWA implementations give the same loss and parameter gradients (weights perturbed off identity)."""
     losses, grads = {}, {}
     for name, (run, params) in runners.items():
@@ -201,13 +190,18 @@ def check_same_results(runners: dict[str, tuple[Callable, list[torch.Tensor]]], 
         else:
             g_alpha = torch.cat([p.grad.float().cpu() for p in params[1:]])
         grads[name] = (params[0].grad.float().cpu(), g_alpha)
+    # Each of the ~2 d roundings along the chain (block, DWA step) adds a relative error of at most u;
+    # independent ones add up like a random walk, so two implementations differ by ~sqrt(2 d) u
+    # (fp32: measured <= 3e-7 at d = 48; bf16: <= 0.024 loss, 0.038 gradients, against the paper's package).
+    u = torch.finfo(dtype).eps / 2
+    tol_loss, tol_grad = 3 * u * (2 * depth) ** 0.5, 4 * u * (2 * depth) ** 0.5
     names = list(losses)
     for name in names[1:]:
         rel = abs(losses[name] - losses[names[0]]) / max(abs(losses[names[0]]), 1e-30)
-        assert rel < 2e-2, f"d={depth}: {name} loss {losses[name]} != {names[0]} {losses[names[0]]}"
+        assert rel <= tol_loss, f"d={depth}: {name} loss {losses[name]} != {names[0]} {losses[names[0]]}"
         for a, b in zip(grads[name], grads[names[0]]):
             err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-            assert err < 5e-2, f"d={depth}: {name} gradients differ from {names[0]} (rel {err:.3g})"
+            assert err <= tol_grad, f"d={depth}: {name} gradients differ from {names[0]} (rel {err:.3g})"
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -280,9 +274,9 @@ def main() -> None:
         shape = (8, 2048, 2048) if device.type == "cuda" else (2, 256, 256)
     reps = args.reps or (20 if device.type == "cuda" else 5)
     now = clock(device)
-    impls = ["none", "paper", "reference", "torch", "torch-run"]
+    impls = ["none", "paper", "reference", "torch"]
     if device.type == "cuda" and dwa_triton_forward_backward_available():
-        impls += ["triton", "triton-run"]
+        impls += ["triton"]
     machine = machine_name(device)
     print(f"# bench_dwa  machine: {machine}  torch {torch.__version__}  commit {git_commit()}")
     timer = "process CPU time" if device.type == "cpu" else "wall time"
@@ -300,7 +294,7 @@ def main() -> None:
             x0 = torch.randn(shape, device=device, dtype=dtype)
             scales = torch.ones(depth, device=device, dtype=dtype, requires_grad=True)
             runners = {impl: make_runner(impl, depth, dilation, period, x0, scales) for impl in impls}
-            check_same_results(runners, depth)
+            check_same_results(runners, depth, dtype)
             for run, _params in runners.values():  # warm-up
                 run()
             times: dict[str, list[float]] = {impl: [] for impl in impls}

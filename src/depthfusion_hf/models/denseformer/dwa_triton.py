@@ -213,30 +213,6 @@ class _TritonDepthWeightedAverage(torch.autograd.Function):
         return (grad_weights, *grad_sources)
 
 
-def triton_dwa_weight_grad(sources: list[torch.Tensor], grad_out: torch.Tensor) -> torch.Tensor:
-    """``[<grad_out, sources[n]>]_n`` in fp32 with :func:`dwa_bwd_kernel` (dots only, no source gradients).
-
-    Args:
-        sources: N tensors of shape S (made contiguous).
-        grad_out: [*S], the sources' dtype.
-    Returns:
-        [N] fp32.
-    """
-    g = grad_out.contiguous()
-    xs = [x.contiguous() for x in sources]
-    numel = g.numel()
-    block, num_warps = _launch_config(numel)
-    num_blocks = triton.cdiv(numel, block) if numel > 0 else 0
-    dw_partial = torch.zeros((len(xs), max(num_blocks, 1)), dtype=torch.float32, device=g.device)
-    if numel > 0:
-        x_ptrs = _pointer_array(xs, g.device)
-        dwa_bwd_kernel[(num_blocks,)](
-            x_ptrs, x_ptrs, dw_partial, g, dw_partial, len(xs), numel, num_blocks,
-            BLOCK=block, HAS_DX=False, HAS_DW=True, num_warps=num_warps,
-        )
-    return dw_partial.sum(dim=1)
-
-
 def triton_depth_weighted_average(sources: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
     """Fused DWA: ``sum_n weights[n] * sources[n]`` in one kernel, differentiable in both.
 
