@@ -122,6 +122,19 @@ def test_stacked_tensor_of_sources(backend):
                         torch.stack(scales[2:]))
 
 
+def test_same_tensor_twice(backend):
+    """A source listed twice gets the sum of both gradients (autograd adds the two returned gradients)."""
+    query, (x, y), weight = make_inputs((2, 5, 12, 2), torch.float32)
+    grad_h, _ = make_grads((2, 5, 12, 3), torch.float32)
+    h = attention_residual(query, [x, y, x], weight, backend=backend)
+    got = torch.autograd.grad(h, [query, weight, x, y], grad_h)
+    xr, yr = x.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
+    h64 = attention_residual(query, [xr, yr, xr.clone()], weight, backend="reference")
+    want = torch.autograd.grad(h64, [query, weight, xr, yr], grad_h)
+    for a, e in zip(got, want):
+        assert_scaled_close(a, e, torch.float32, 64, "gradient")
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=[shape_id(s) for s in SHAPES])
 def test_weights_are_a_softmax(backend, shape):
     query, sources, weight = make_inputs(shape, torch.bfloat16)

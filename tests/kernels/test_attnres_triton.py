@@ -85,6 +85,18 @@ def test_stacked_tensor_views_with_offsets():
                         torch.stack(scales["grads"][2:]))
 
 
+def test_same_tensor_twice():
+    """A source listed twice: the pointer array holds it twice; its gradients add up."""
+    query, (x, y), weight = make_inputs((2, 5, 12, 2), torch.float32, DEVICE)
+    grad_h, _ = make_grads((2, 5, 12, 3), torch.float32, DEVICE)
+    h = attention_residual(query, [x, y, x], weight, backend="triton")
+    got = torch.autograd.grad(h, [query, weight, x, y], grad_h)
+    h_ref = attention_residual(query, [x, y, x], weight, backend="reference")
+    want = torch.autograd.grad(h_ref, [query, weight, x, y], grad_h)
+    for a, e in zip(got, want):
+        assert_scaled_close(a, e, torch.float32, 64, "gradient")
+
+
 def test_partial_requires_grad():
     """Only sources (no du), only query and norm weight (no dx), some sources frozen, no alpha gradient."""
     shape = (2, 6, 10, 3)
