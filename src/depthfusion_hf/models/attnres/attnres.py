@@ -13,16 +13,16 @@ Three implementations behind :func:`attention_residual`, one signature:
 
 - ``"reference"``: the loop over sources, in float32 (float64 stays float64); autograd does the rest.
 - ``"torch"``: a custom autograd Function over the *list* of sources (nothing is stacked; the backward
-  saves references to the inputs and the [B, T, N] weights and inverse norms). Sources of at most
-  ``SMALL_NUMEL`` elements (cached decoding) take a stacked, vectorised autograd path instead: two
-  kernels per step rather than several per source.
+  saves references to the inputs and the [B, T, N] weights, logits and inverse norms). Sources of at
+  most ``SMALL_NUMEL`` elements (cached decoding) take a stacked, vectorised autograd path instead: a
+  few kernels per call whatever N, rather than several per source. Autocast is disabled inside.
 - ``"triton"``: fused forward and backward kernels (``attnres_triton.py``) for CUDA tensors.
 
 The backend is chosen by the ``backend`` argument, else ``$DEPTHFUSION_BACKEND``, else automatically
 (Triton for CUDA tensors when it imports, PyTorch otherwise). Inputs a kernel cannot compute are routed
 by :func:`attention_residual_with_backend` (float64 goes to the PyTorch path). Second-order gradients
-(``create_graph=True``) are computed on every backend: the custom backwards then differentiate the
-reference instead.
+(``create_graph=True``) are computed by the reference and torch backends (the custom backward then
+differentiates the reference); the Triton backward is first-order and raises a RuntimeError naming them.
 
 This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next
 to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
@@ -193,8 +193,7 @@ def _reference_grads(ctx, query, key_norm_weight, sources, eps, grad_h, grad_alp
         outs.append(alpha)
         grads_out.append(grad_alpha.to(alpha.dtype))
     found = iter(torch.autograd.grad(outs, wanted, grads_out, create_graph=True, allow_unused=True))
-    result = [next(found) if need else None for need in ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:]]
-    return result
+    return [next(found) if need else None for need in ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:]]
 
 
 class _AttentionResidual(torch.autograd.Function):
