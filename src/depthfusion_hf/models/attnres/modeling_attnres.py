@@ -20,9 +20,10 @@ materialised; decoder layer i owns the calls that feed its MLP (``mlp_res``) and
 the output of layer i is the input of layer i + 1.
 
 The attention, MLP, norms and rotary embeddings are transformers' Llama modules under their Llama
-names, so a Llama checkpoint loads by copying weights (``depthfusion_hf.convert.llama_to_attnres``); the
-model is *not* the Llama at that point (uniform averaging is not the residual sum). AttnRes is per token,
-so cached decoding needs only the ordinary KV cache.
+names, so a Llama checkpoint loads by copying weights (``depthfusion_hf.convert.llama_to_attnres``). The
+converted model is not exactly the Llama: a uniform average is the residual sum divided by the number of
+sources, which every reader's RMSNorm undoes except through its eps (docs/ATTNRES.md measures the shift).
+AttnRes is per token, so cached decoding needs only the ordinary KV cache.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def starts_block(sublayer: int, block_size: int) -> bool:
     return (sublayer - 1) % block_size == 0
 
 
-def add_to_depth_state(sources: tuple[torch.Tensor, ...], output: torch.Tensor, new_block: bool):
+def add_to_depth_state(
+    sources: tuple[torch.Tensor, ...], output: torch.Tensor, new_block: bool
+) -> tuple[torch.Tensor, ...]:
     """The depth state after a sub-layer wrote ``output`` [B, T, D]: a new block sum, or the current one grown."""
     if new_block:
         return (*sources, output)
@@ -67,7 +70,7 @@ def add_to_depth_state(sources: tuple[torch.Tensor, ...], output: torch.Tensor, 
 
 class AttnResForwardState:
     """Per-forward bookkeeping the decoder layers share: the op backend resolved once per device, and (when
-    asked) the list every AttnRes call appends its softmax weights to.
+    asked) the list the layers append every AttnRes call's softmax weights to.
 
     A plain object on purpose: accelerate's device hooks copy lists and dicts found in a layer's arguments,
     but pass other objects through by reference, so the layers of an offloaded model still share this one.
