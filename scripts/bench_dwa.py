@@ -294,7 +294,8 @@ def main() -> None:
             x0 = torch.randn(shape, device=device, dtype=dtype)
             scales = torch.ones(depth, device=device, dtype=dtype, requires_grad=True)
             runners = {impl: make_runner(impl, depth, dilation, period, x0, scales) for impl in impls}
-            check_same_results(runners, depth, dtype)
+            if depth >= period:  # otherwise there is no DWA step, hence nothing to compare
+                check_same_results(runners, depth, dtype)
             for run, _params in runners.values():  # warm-up
                 run()
             times: dict[str, list[float]] = {impl: [] for impl in impls}
