@@ -268,7 +268,7 @@ def dwa_with_backend(sources: Sequence[torch.Tensor], weights: torch.Tensor, bac
     Models resolve the backend once per forward pass and device and call this for every DWA step
     (the input checks of :func:`depth_weighted_average` cost as much as the op itself when decoding).
     The one routing decision lives here: the Triton kernel computes fp32, fp16 and bf16; other dtypes
-    (float64) take the PyTorch path, which is exact for them.
+    (float64) take the PyTorch path, which computes them in their own precision.
 
     Args:
         sources: N tensors of the same shape S, dtype (one of ``DTYPES``) and device.
