@@ -81,6 +81,9 @@ def test_available_and_wired_into_the_op():
     assert moda_triton.moda_triton_available()
     assert moda_op.triton_moda_attention is triton_moda_attention
     assert moda_op.resolve_backend(None, torch.device(DEVICE)) == ("triton" if DEVICE == "cuda" else "torch")
+    with pytest.raises(ValueError, match="backend='triton' runs on CUDA tensors"):
+        moda_op.resolve_backend("triton", torch.device("meta"))
+    assert not moda_op.moda_saving_supported(torch.empty(1, 1, 1, 4, device="meta"), None, "triton")
 
 
 # (B, Hq, Hkv, T, S, M, d)

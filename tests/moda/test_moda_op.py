@@ -1,5 +1,7 @@
 """moda_attention: the vectorised PyTorch path against the reference loop, values and gradients."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,3 +138,6 @@ def test_backend_dispatch(monkeypatch):
     assert resolve_backend("torch", torch.device("cpu")) == "torch"
     with pytest.raises(ValueError, match="backend must be one of"):
         moda_attention(*[x.detach() for x in _inputs()], backend="cuda-magic")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="backend='triton' was requested but Triton"):
+            moda_attention(*[x.detach() for x in _inputs()], backend="triton")

@@ -53,6 +53,7 @@ try:  # Triton is optional: the model loads and runs without it.
     from .moda_triton import (
         TRITON_MODA_DTYPES,
         moda_triton_available,
+        moda_triton_runs_on,
         triton_moda_attention,
         triton_moda_backward,
         triton_moda_forward,
@@ -65,15 +66,29 @@ except Exception:  # pragma: no cover - depends on the environment
         """Triton could not be imported: the fused kernel is unavailable."""
         return False
 
+    def moda_triton_runs_on(device: torch.device) -> bool:
+        """Triton could not be imported: the fused kernel runs nowhere."""
+        return False
+
 
 BACKENDS = ("reference", "torch", "triton")
 BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
 
 
+# Copied from depthfusion_hf.models.denseformer.dwa.resolve_backend with _forward_backward->, dwa_->moda_, the states->q
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """Pick the implementation: explicit argument, else ``$DEPTHFUSION_BACKEND``, else automatic.
 
     Automatic means Triton for CUDA tensors when the kernel imports, PyTorch otherwise.
+
+    Args:
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
+        device: the device of q.
+    Returns:
+        ``"reference"``, ``"torch"`` or ``"triton"``.
+    Raises:
+        ValueError: for an unknown name, or ``"triton"`` where the kernel cannot run (no Triton, or
+            tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
     """
     choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
     choice = choice.lower()
@@ -84,6 +99,10 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
     if choice == "triton" and not moda_triton_available():
         raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
+    if choice == "triton" and not moda_triton_runs_on(device):
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
+        )
     return choice
 
 
@@ -594,7 +613,7 @@ def moda_saving_supported(q: torch.Tensor, attention_mask: torch.Tensor | None, 
     if backend == "torch":
         return _flash_cpu_applies(q, attention_mask)
     if backend == "triton":
-        return moda_triton_available() and _triton_applies(q, attention_mask) and not _dispatch_mode_active()
+        return moda_triton_runs_on(q.device) and _triton_applies(q, attention_mask) and not _dispatch_mode_active()
     return False
 
 

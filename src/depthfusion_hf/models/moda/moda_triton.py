@@ -85,6 +85,7 @@ except Exception:  # pragma: no cover - depends on the environment
 __all__ = [
     "TRITON_MODA_DTYPES",
     "moda_triton_available",
+    "moda_triton_runs_on",
     "triton_moda_attention",
     "triton_moda_backward",
     "triton_moda_forward",
@@ -101,6 +102,11 @@ def _interpreting() -> bool:
 def moda_triton_available() -> bool:
     """True when Triton imports and can run: a CUDA device, or ``TRITON_INTERPRET=1`` (CPU tensors)."""
     return _HAS_TRITON and (torch.cuda.is_available() or _interpreting())
+
+
+def moda_triton_runs_on(device: torch.device) -> bool:
+    """True when the kernels can run on tensors of ``device``: CUDA, or CPU under ``TRITON_INTERPRET=1``."""
+    return moda_triton_available() and (device.type == "cuda" or (_interpreting() and device.type == "cpu"))
 
 
 # ----------------------------------------------------------------------------------------------
