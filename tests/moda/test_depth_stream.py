@@ -244,3 +244,25 @@ def test_mutated_config_is_rejected_at_model_construction():
 def test_bad_token_inputs_raise(ids, message):
     with pytest.raises(ValueError, match=message):
         tiny_model()(ids)
+
+
+def test_decode_step_equals_the_general_path(monkeypatch):
+    model = tiny_model(seed=2)
+    ids = torch.randint(3, 97, (2, 6))
+    calls = []
+    real = DepthStream.decode_step
+
+    def counted(self, *args):
+        calls.append(args)
+        return real(self, *args)
+
+    monkeypatch.setattr(DepthStream, "decode_step", counted)
+    with torch.no_grad():
+        cache = model(ids[:, :5], use_cache=True).cache
+        fast = model(ids[:, 5:], cache=cache, use_cache=True).logits
+        assert len(calls) == 4  # every layer of the one-token step, none in the prefill
+        monkeypatch.setattr(DepthStream, "decode_step", lambda self, q, k, v, scale, start, stop: self.fast_forward(
+            q, k, v, None, scale, start, stop, None)[0])
+        cache.crop(-1)
+        general = model(ids[:, 5:], cache=cache, use_cache=True).logits
+    assert_same(fast, general, torch.float32)

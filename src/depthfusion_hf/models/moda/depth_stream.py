@@ -266,6 +266,9 @@ class DepthStream:
             q.requires_grad or k.requires_grad or v.requires_grad or self.needs_grad(start, stop)
         )
         if not tracked:
+            if self.fast and q.shape[2] == 1 and attention_mask is None:
+                with torch.no_grad():
+                    return self.decode_step(q, k, v, scale, start, stop)
             if self.fast:
                 with torch.no_grad():
                     return self.fast_forward(q, k, v, attention_mask, scale, start, stop, None)[0]
@@ -292,6 +295,28 @@ class DepthStream:
         if name not in self._products:
             self._products[name] = like.new_zeros(shape)
         return self._products[name]
+
+    def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int,
+                    stop: int) -> torch.Tensor:
+        """One query token per sequence, no mask (cached greedy decoding): a handful of small products.
+
+        The query sits at the last of the S positions, so causality hides nothing; the logits over
+        ``[S sequence keys | M depth entries]`` are small enough to materialise: one softmax, two products.
+
+        Args:
+            q: [B, Hq, 1, d]; k, v: [B, Hkv, S, d]. Returns [B, Hq, 1, d].
+        """
+        batch, num_q_heads, _, head_dim = q.shape
+        num_kv_heads, kv_len = k.shape[1], k.shape[2]
+        q_heads = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # (B, Hkv, G, d)
+        depth_k, depth_v = self.window(start, stop)
+        depth_k, depth_v = depth_k.squeeze(2), depth_v.squeeze(2)  # (B, Hkv, M, d)
+        logits = torch.cat([q_heads @ k.transpose(-1, -2), q_heads @ depth_k.transpose(-1, -2)], dim=-1)
+        probs = torch.softmax(logits.mul_(scale), dim=-1)  # (B, Hkv, G, S + M)
+        out = torch.baddbmm(
+            (probs[..., :kv_len] @ v).flatten(0, 1), probs[..., kv_len:].flatten(0, 1), depth_v.flatten(0, 1)
+        ) if stop > start else probs @ v
+        return out.view(batch, num_q_heads, 1, head_dim)
 
     def fast_forward(self, q, k, v, attention_mask, scale: float, start: int, stop: int, reader: int | None):
         """The attention on CPU (fp32 / fp64) without autograd: ``(out [B, Hq, T, d], saved)``.
@@ -322,10 +347,14 @@ class DepthStream:
         q_rows = _to_rows(q, num_kv_heads)  # (N, G, d)
         logits = torch.bmm(keys3, q_rows.transpose(1, 2)).mul_(scale)  # (N, M, G)
         lse_rows = _to_rows(lse_seq.to(logits.dtype).unsqueeze(-1), num_kv_heads).squeeze(-1)  # (N, G)
-        lse = torch.logaddexp(lse_rows, torch.logsumexp(logits, dim=1))  # (N, G)
-        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # no visible entry: zeros, not NaN
-        alpha = torch.exp(lse_rows - lse)  # (N, G)
-        probs = torch.exp(logits.sub_(lse.unsqueeze(1)))  # (N, M, G)
+        # One softmax over [sequence pool | depth entries], normalised by the row maximum (finite: M >= 1);
+        # a sequence pool with no visible key has lse -inf and weight exactly 0.
+        row_max = torch.maximum(lse_rows, logits.amax(dim=1))  # (N, G)
+        probs = torch.exp(logits.sub_(row_max.unsqueeze(1)))  # (N, M, G), unnormalised
+        seq_weight = torch.exp(lse_rows - row_max)  # (N, G)
+        total = probs.sum(dim=1).add_(seq_weight)  # >= 1
+        alpha = seq_weight.div_(total)  # (N, G): the sequence pool's share
+        probs = probs.div_(total.unsqueeze(1))  # (N, M, G)
         out_rows = torch.baddbmm(alpha.unsqueeze(-1) * _to_rows(out_seq, num_kv_heads), probs.transpose(1, 2), values3)
         out = _from_rows(out_rows, batch, num_kv_heads, q_len)  # (B, Hq, T, d)
         if reader is not None:
