@@ -126,8 +126,22 @@ def test_bad_mask_raises():
     inputs = [x.detach() for x in _inputs(T=7, S=10, M=3)]
     with pytest.raises(ValueError, match="attention_mask must be broadcastable"):
         moda_attention(*inputs, attention_mask=torch.ones(2, 10, dtype=torch.bool))
-    with pytest.raises(ValueError, match="attention_mask must be bool"):
-        moda_attention(*inputs, attention_mask=torch.ones(2, 1, 7, 10, dtype=torch.long))
+    for dtype in (torch.long, torch.uint8, torch.complex64, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match="attention_mask must be bool"):
+            moda_attention(*inputs, attention_mask=torch.ones(2, 1, 7, 10).to(dtype))
+    with pytest.raises(ValueError, match="attention_mask must be on q's device"):
+        moda_attention(*inputs, attention_mask=torch.ones(2, 1, 7, 10, dtype=torch.bool, device="meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.complex64,
+                                   torch.float8_e4m3fn])
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_non_float_dtypes_raise(dtype, backend):
+    """Integer, bool, complex and float8 inputs are rejected (the paths returned zeros, truncated or
+    dropped imaginary parts)."""
+    inputs = [torch.randint(-3, 3, x.shape).to(dtype) for x in _inputs(T=3, S=4, M=1)]
+    with pytest.raises(ValueError, match="q must have a floating dtype"):
+        moda_attention(*inputs, backend=backend)
 
 
 def test_backend_dispatch(monkeypatch):

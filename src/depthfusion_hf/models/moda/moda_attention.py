@@ -73,6 +73,8 @@ except Exception:  # pragma: no cover - depends on the environment
 
 BACKENDS = ("reference", "torch", "triton")
 BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
+# The dtypes every path computes correctly; others (integers, complex, float8) are rejected, not rounded.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # Copied from depthfusion_hf.models.denseformer.dwa.resolve_backend with _forward_backward->, dwa_->moda_, the states->q
@@ -118,9 +120,13 @@ def check_moda_inputs(
     depth_v: torch.Tensor,
     attention_mask: torch.Tensor | None,
 ) -> None:
-    """Raise a ValueError naming the argument and the expected shape when the inputs do not fit together."""
+    """Raise a ValueError naming the argument and the expected shape, dtype or device when the inputs do not
+    fit together (k, v, depth_k, depth_v share q's dtype, one of ``DTYPES``, and its device; the mask is
+    bool or floating, on q's device)."""
     if q.dim() != 4:
         raise ValueError(f"q must have shape [B, Hq, T, d]; got {_shape(q)}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q must have a floating dtype in {DTYPES}; got {q.dtype}")
     batch, num_q_heads, q_len, head_dim = q.shape
     if k.dim() != 4:
         raise ValueError(f"k must have shape [B, Hkv, S, d]; got {_shape(k)}")
@@ -155,10 +161,12 @@ def check_moda_inputs(
             raise ValueError(
                 f"attention_mask must be broadcastable to [B, Hq, T, S] = {target}; got {_shape(attention_mask)}"
             )
-        if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
+        if attention_mask.dtype != torch.bool and attention_mask.dtype not in DTYPES:
             raise ValueError(
-                f"attention_mask must be bool (True = attend) or additive float; got {attention_mask.dtype}"
+                f"attention_mask must be bool (True = attend) or additive float {DTYPES}; got {attention_mask.dtype}"
             )
+        if attention_mask.device != q.device:
+            raise ValueError(f"attention_mask must be on q's device {q.device}; got {attention_mask.device}")
 
 
 def _causal_keep(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
