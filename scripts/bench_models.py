@@ -57,6 +57,8 @@ TARGETS = {  # ratios against Llama: train ≤ bound, peak ≤ bound, decode ≥
     "denseformer-1x1": {"train": 1.10, "decode": 0.95},
     "moda": {"train": 1.15, "peak": 1.25, "decode": 0.90},  # issue 10
     "moda-noffn": {"train": 1.06, "peak": 1.25, "decode": 0.90},
+    "attnres-full": {"train": 1.20, "decode": 0.93},  # issue 13
+    "attnres-block8": {"train": 1.08, "decode": 0.93},
 }
 BEFORE_PACKAGE = "moda_before"  # the MoDA folder of another checkout (--before), imported under this name
 
@@ -95,6 +97,9 @@ def build_models(args, device: torch.device, dtype: torch.dtype) -> dict[str, to
         "denseformer-4x5": lambda: DenseFormerForCausalLM(DenseFormerConfig(**common, dwa_dilation=4, dwa_period=5)),
     }
     specs["llama-ckpt"] = lambda: with_checkpointing(LlamaForCausalLM(LlamaConfig(**common)))
+    attnres_cls, attnres_config = depthfusion_hf.AttnResForCausalLM, depthfusion_hf.AttnResConfig  # issue 13
+    specs["attnres-full"] = lambda: attnres_cls(attnres_config(**common))
+    specs["attnres-block8"] = lambda: attnres_cls(attnres_config(**common, attnres_block_size=3))  # 24/3 = 8 blocks
     if hasattr(depthfusion_hf, "MoDAForCausalLM"):
         moda_cls, moda_config = depthfusion_hf.MoDAForCausalLM, depthfusion_hf.MoDAConfig
         specs["moda"] = lambda: moda_cls(moda_config(**common))
