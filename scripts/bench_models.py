@@ -142,12 +142,12 @@ SAME_FUNCTION = [("moda", "moda-before"), ("moda-noffn", "moda-before-noffn"), (
 def check_same_function(models: dict[str, torch.nn.Module], batch: dict[str, torch.Tensor]) -> dict[str, dict]:
     """Pairs of models with the same weights and the same function give the same loss and gradients.
 
-    Gates (fp32): the two paths differ only in the order of floating-point sums (the depth stream sums an
-    entry's gradient over its readers in place, autograd sums them pairwise; a recomputed layer repeats
-    the same arithmetic), so the loss must agree to ``64 eps`` relative and every gradient to
-    ``sqrt(n) * 64 eps`` relative in norm (n = its element count, the random-walk growth of rounding
-    over a sum), not the loose 2 % / 5 % a timing script would otherwise tolerate. Returns the
-    measured errors per pair. Raises AssertionError when a gate is exceeded.
+    Gates (fp32): the two paths differ only in the order of floating-point sums (the depth stream forms
+    an entry's gradient in one product over its readers, autograd sums per-reader gradients pairwise; a
+    recomputed layer repeats the same arithmetic), so the loss must agree to ``64 eps`` relative and
+    every parameter gradient to ``256 eps`` relative in norm (measured: about ``11 eps``), not the
+    loose 2 % / 5 % a timing script would otherwise tolerate. Returns the measured errors per pair.
+    Raises AssertionError when a gate is exceeded.
     """
     measured = {}
     for a, b in SAME_FUNCTION:
@@ -164,14 +164,14 @@ def check_same_function(models: dict[str, torch.nn.Module], batch: dict[str, tor
         eps = torch.finfo(next(models[a].parameters()).dtype).eps
         loss_err = (abs(out[a][0] - out[b][0]) / abs(out[b][0])).item()
         assert loss_err <= 64 * eps, f"{a} vs {b}: loss differs by {loss_err:.2e} relative (gate {64 * eps:.1e})"
-        worst = 0.0
+        worst, gate = 0.0, 256 * eps
         for n, g in out[b][1].items():
             err = ((out[a][1][n] - g).norm() / g.norm().clamp_min(1e-30)).item()
-            gate = 64 * eps * g.numel() ** 0.5
             assert err <= gate, f"{a} vs {b}: gradient of {n} differs by {err:.2e} relative (gate {gate:.1e})"
-            worst = max(worst, err / gate)
-        measured[f"{a}|{b}"] = dict(loss_rel=loss_err, grad_worst_fraction_of_gate=worst)
-        print(f"# same function: {a} vs {b}: loss rel {loss_err:.1e}, worst gradient at {worst:.0%} of its gate")
+            worst = max(worst, err)
+        measured[f"{a}|{b}"] = dict(loss_rel=loss_err, grad_rel_worst=worst, loss_gate=64 * eps, grad_gate=gate)
+        print(f"# same function: {a} vs {b}: loss rel {loss_err:.1e}, worst gradient rel {worst:.1e} "
+              f"(gates {64 * eps:.1e}, {gate:.1e})")
     return measured
 
 

@@ -6,6 +6,8 @@ The benchmark scripts append one JSON object per run to
 - ``dwa.jsonl``            (``scripts/bench_dwa.py``)            -> ``dwa.png``
 - ``models.jsonl``         (``scripts/bench_models.py``)         -> ``models.png``
 - ``moda_attention.jsonl`` (``scripts/bench_moda_attention.py``) -> ``moda_attention.png``
+- ``moda_stream.jsonl``    (``scripts/bench_models.py``, MoDA variants)  -> ``moda_stream.png``
+- ``moda_layers.jsonl``    (``scripts/bench_models.py`` per ``--layers``) -> ``moda_layers.png``
 
 For each kind this script takes the latest record (or the latest one whose commit starts with
 ``--commit``) and draws:
@@ -17,7 +19,12 @@ For each kind this script takes the latest record (or the latest one whose commi
   relative to Llama, with the issue's targets (DenseFormer 4×5 train ≤ 1.03, 1×1 ≤ 1.10,
   decode ≥ 0.95; MoDA train ≤ 1.15) drawn over the bars they apply to;
 - **moda_attention**: time and peak-memory ratio of MoDA attention vs SDPA over the sequence length T,
-  one line per depth L (M = 2L depth entries), forward and forward+backward.
+  one line per depth L (M = 2L depth entries), forward and forward+backward;
+- **moda_stream**: the MoDA variants of issue 10 (median of the paired per-repeat ratios vs Llama,
+  whiskers: their min and max) with the issue's targets (train ≤ 1.15 / 1.06 without FFN K/V, peak
+  ≤ 1.25, decode ≥ 0.90);
+- **moda_layers**: train-step and peak-memory ratio vs Llama over the depth L, before and after,
+  from every record of the latest commit in the file (one per ``--layers`` run).
 
 Titles name the machine, torch version, commit and date of the record. A kind whose file is
 missing, empty or has no record for ``--commit`` is skipped with a message on stderr, and the exit
@@ -39,10 +46,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "docs" / "bench"
-KINDS = ("dwa", "models", "moda_attention")
+KINDS = ("dwa", "models", "moda_attention", "moda_stream", "moda_layers")
 
 # The issue's targets, ratios vs Llama: (model-name prefix, bound, "le"/"ge", label).
 TRAIN_TARGETS = [("denseformer-4x5", 1.03, "≤ 1.03"), ("denseformer-1x1", 1.10, "≤ 1.10"), ("moda", 1.15, "≤ 1.15")]
@@ -238,8 +246,88 @@ def plot_moda_attention(record: dict, out: Path) -> Path:
                    f"median of {record.get('reps', '?')})", record, out)
 
 
+
+
+MODA_TARGETS = {"moda": {"train": 1.15, "peak": 1.25, "decode": 0.90},
+                "moda-noffn": {"train": 1.06, "peak": 1.25, "decode": 0.90}}
+
+
+def _paired(row: dict, metric: str) -> tuple[float, float, float]:
+    """(median, min, max) of a model's paired per-repeat ratios vs Llama (peak memory: one value)."""
+    if metric == "peak":
+        return (row["peak_ratio"],) * 3
+    values = row[f"{metric}_ratio_paired_all"]
+    return row[f"{metric}_ratio_paired_median"], min(values), max(values)
+
+
+def plot_moda_stream(record: dict, out: Path) -> Path:
+    """MoDA variants vs Llama: train, peak memory, decode, with whiskers and the issue-10 targets; writes ``out``."""
+    rows = record["results"]
+    models = [r["model"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5.6), layout="constrained")
+    colours = ["#888888" if m.startswith("llama") else "#d62728" if "before" in m else "#2ca02c" for m in models]
+    for ax, metric, title in zip(axes, ("train", "peak", "decode"),
+                                 ("train step ÷ Llama (lower is better)", "peak memory ÷ Llama (lower is better)",
+                                  "decode tok/s ÷ Llama (higher is better)")):
+        stats = [_paired(r, metric) for r in rows]
+        ys = [m for m, _, _ in stats]
+        err = [[m - lo for m, lo, _ in stats], [hi - m for m, _, hi in stats]]
+        ax.bar(range(len(models)), ys, 0.7, color=colours, edgecolor="black", linewidth=0.3, yerr=err, capsize=3)
+        for x, y in enumerate(ys):
+            ax.text(x, 0.03, f"{y:.3f}", ha="center", va="bottom", rotation=90, fontsize=8, color="white",
+                    fontweight="bold")
+        for x, model in enumerate(models):
+            bound = MODA_TARGETS.get(model, {}).get(metric)
+            if bound is not None:
+                ax.hlines(bound, x - 0.45, x + 0.45, colors="red", linestyles="--", linewidth=1.5)
+                ax.text(x, bound, f"{bound}", ha="center", va="bottom", fontsize=7, color="red")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(models)), models, rotation=35, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    args = record.get("args", {})
+    cfg = (f"{args.get('layers', '?')} layers, hidden {args.get('hidden', '?')}, batch {args.get('batch', '?')} × "
+           f"seq {args.get('seq', '?')}, {args.get('dtype', '?')}; bars: median of paired ratios, whiskers: min-max")
+    return _finish(fig, f"MoDA depth stream vs Llama ({cfg}); red: issue 10 targets", record, out)
+
+
+def load_sweep(path: Path, commit: str | None = None) -> list[dict]:
+    """Every record of the latest (or the given) commit in ``path``, sorted by layer count."""
+    last = load_record(path, commit)
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if r.get("commit") == last.get("commit") and r.get("results")]
+    return sorted(records, key=lambda r: r["args"]["layers"])
+
+
+def plot_moda_layers(records: list[dict], out: Path) -> Path:
+    """Train-step and peak-memory ratio vs Llama over the depth L, one line per MoDA implementation."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), layout="constrained")
+    names = sorted({r["model"] for rec in records for r in rec["results"] if r["model"].startswith("moda")})
+    for name in names:
+        points = [(rec["args"]["layers"], row) for rec in records for row in rec["results"] if row["model"] == name]
+        layers = [n for n, _ in points]
+        for ax, metric in zip(axes, ("train", "peak")):
+            stats = [_paired(row, metric) for _, row in points]
+            ys = [m for m, _, _ in stats]
+            err = [[m - lo for m, lo, _ in stats], [hi - m for m, _, hi in stats]]
+            ax.errorbar(layers, ys, yerr=err, marker="o", capsize=3, label=name)
+    for ax, title in zip(axes, ("train step ÷ Llama", "peak memory ÷ Llama")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({rec["args"]["layers"] for rec in records}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("layers L")
+        ax.set_title(title, fontsize=10)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    args = records[-1].get("args", {})
+    cfg = f"hidden {args.get('hidden', '?')}, batch {args.get('batch', '?')} × seq {args.get('seq', '?')}"
+    return _finish(fig, f"MoDA cost over depth ({cfg}; median of paired ratios, whiskers min-max)", records[-1], out)
+
+
 PLOTTERS: dict[str, Callable[[dict, Path], Path]] = {
     "dwa": plot_dwa, "models": plot_models, "moda_attention": plot_moda_attention,
+    "moda_stream": plot_moda_stream, "moda_layers": plot_moda_layers,
 }
 
 
@@ -256,13 +344,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     skipped = 0
     for kind in args.kinds:
         try:
-            record = load_record(args.bench_dir / f"{kind}.jsonl", args.commit)
+            if kind == "moda_layers":
+                record = load_sweep(args.bench_dir / f"{kind}.jsonl", args.commit)
+            else:
+                record = load_record(args.bench_dir / f"{kind}.jsonl", args.commit)
         except NoRecord as e:
             print(f"skipped {kind}.png: {e}", file=sys.stderr)
             skipped += 1
             continue
         path = PLOTTERS[kind](record, args.out / f"{kind}.png")
-        print(f"wrote {path} (commit {record.get('commit')}, {record.get('date')})")
+        last = record[-1] if isinstance(record, list) else record
+        print(f"wrote {path} (commit {last.get('commit')}, {last.get('date')})")
     return 1 if skipped else 0
 
 
