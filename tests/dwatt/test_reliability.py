@@ -99,7 +99,7 @@ def test_the_vocabulary_bound_follows_resized_embeddings():
 
 @pytest.mark.parametrize("fusion", FUSION_METHODS)
 def test_every_head_is_read_through_the_one_table(fusion):
-    assert tuple(FUSION_HEADS) == FUSION_METHODS == ("dwatt", "concat", "last", "deeper")
+    assert tuple(FUSION_HEADS) == FUSION_METHODS == ("dwatt", "concat", "last", "deeper", "last_ln")
     head_class = FUSION_HEADS[fusion]
     assert issubclass(head_class, DWAttFusionHead) and head_class.name == fusion
     model = tiny_model(fusion, layers=3)

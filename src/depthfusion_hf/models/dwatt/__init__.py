@@ -8,6 +8,7 @@ from .fusion_dwatt import (
     DWAttDepthAttention,
     DWAttFusionHead,
     DWAttLastLayer,
+    DWAttLastLayerNorm,
     DWAttMLP,
 )
 from .modeling_dwatt import DWAttForTokenClassification, DWAttPreTrainedModel, DWAttTokenClassifierOutput
@@ -22,6 +23,7 @@ __all__ = [
     "DWAttForTokenClassification",
     "DWAttFusionHead",
     "DWAttLastLayer",
+    "DWAttLastLayerNorm",
     "DWAttMLP",
     "DWAttPreTrainedModel",
     "DWAttTokenClassifierOutput",

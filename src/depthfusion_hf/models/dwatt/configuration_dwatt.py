@@ -18,7 +18,7 @@ from .fusion_dwatt import FUSION_HEADS
 # The parameter counts are re-exported: this module was their home before sizes_dwatt.py.
 from .sizes_dwatt import check_fraction, concat_head_num_params, deeper_head_num_params, dwatt_head_num_params  # noqa: F401
 
-FUSION_METHODS = tuple(FUSION_HEADS)  # ("dwatt", "concat", "last", "deeper")
+FUSION_METHODS = tuple(FUSION_HEADS)  # ("dwatt", "concat", "last", "deeper", "last_ln")
 _BACKBONE_HINT = "pass the encoder's config, e.g. BertConfig(...) or {'model_type': 'bert', ...}"
 
 
@@ -78,8 +78,9 @@ class DWAttConfig(PreTrainedConfig):
             needs ``model_type``. Defaults to ``BertConfig()``.
         fusion (`str`, defaults to ``"dwatt"``): one of ``"dwatt"`` (depth-wise attention),
             ``"concat"`` (concatenate the L + 1 states, then an MLP), ``"last"`` (the ordinary
-            last-layer baseline, no fusion parameters) or ``"deeper"`` (extra transformer layers on
-            top, the paper's deeper-model baseline).
+            last-layer baseline, no fusion parameters), ``"deeper"`` (extra transformer layers on
+            top, the paper's deeper-model baseline) or ``"last_ln"`` (``last`` with a LayerNorm on
+            z_L: the scale control).
         depth_embedding_size (`int`, defaults to 24): ``d_pos``, width of the learned depth
             embeddings ``e_n`` from which DWAtt's keys are projected.
         bottleneck_ratio (`float`, defaults to 0.5): ``gamma``; DWAtt's MLPs are ``D -> gamma D -> D``.

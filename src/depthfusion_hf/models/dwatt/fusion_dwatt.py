@@ -277,9 +277,37 @@ class DWAttLastLayer(DWAttFusionHead):
         return states[-1], None
 
 
+class DWAttLastLayerNorm(DWAttFusionHead):
+    """The scale control of the ``last`` baseline: ``h = LN(z_L)``, a LayerNorm on the last state only.
+
+    The fusion heads hand the classifier LayerNorm-ed features (RMS about 1), while an encoder's last
+    layer can be much smaller (MiniLM: RMS 0.35 per unit). This head gives ``last`` the same scale and
+    conditioning without reading any other layer, so that it separates the scale effect from depth
+    fusion. Its affine starts at the identity (scale 1, shift 0); ``2 D`` parameters.
+    """
+
+    name = "last_ln"
+
+    def __init__(self, config: DWAttConfig):
+        super().__init__(config)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=_layer_norm_eps(config))
+
+    @classmethod
+    def num_params(cls, config: DWAttConfig) -> int:
+        """``2 D``: the LayerNorm's scale and shift."""
+        return 2 * config.hidden_size
+
+    def forward(
+        self, states: list[torch.Tensor], attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, None]:
+        """(LN(z_L) [B, T, D] with z_L = states[-1], None); ``attention_mask`` is unused (per-token head)."""
+        return self.norm(states[-1]), None
+
+
 # The fusion heads by config name. DWAtt comes first: the others' sizes are solved from its budget.
 FUSION_HEADS: dict[str, type[DWAttFusionHead]] = {
-    head.name: head for head in (DWAttDepthAttention, DWAttConcatFusion, DWAttLastLayer, DWAttDeeperFusion)
+    head.name: head
+    for head in (DWAttDepthAttention, DWAttConcatFusion, DWAttLastLayer, DWAttDeeperFusion, DWAttLastLayerNorm)
 }
 
 
@@ -290,5 +318,6 @@ __all__ = [
     "DWAttDepthAttention",
     "DWAttFusionHead",
     "DWAttLastLayer",
+    "DWAttLastLayerNorm",
     "DWAttMLP",
 ]
