@@ -101,10 +101,16 @@ def _decoder_card_values(config: PretrainedConfig) -> dict[str, Any]:
     )
 
 
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The family options the command line set explicitly (they are ``argparse.SUPPRESS``-defaulted), so that
+    a field the user did not give comes from the ``--config`` file, else from the config class default."""
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
 def _denseformer_cli(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("denseformer")
-    group.add_argument("--dwa_dilation", type=int, default=1, help="DenseFormer k")
-    group.add_argument("--dwa_period", type=int, default=1, help="DenseFormer p")
+    group.add_argument("--dwa_dilation", type=int, default=argparse.SUPPRESS, help="DenseFormer k (default 1)")
+    group.add_argument("--dwa_period", type=int, default=argparse.SUPPRESS, help="DenseFormer p (default 1)")
 
 
 def _denseformer_card_values(model: PreTrainedModel) -> dict[str, Any]:
@@ -120,9 +126,10 @@ def _denseformer_card_values(model: PreTrainedModel) -> dict[str, Any]:
 
 def _moda_cli(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("moda")
-    group.add_argument("--moda_ffn_kv", action=argparse.BooleanOptionalAction, default=True,
-                       help="MoDA FFN-side depth KV projection")
-    group.add_argument("--norm_position", choices=["pre", "post"], default="pre", help="MoDA norm placement")
+    group.add_argument("--moda_ffn_kv", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                       help="MoDA FFN-side depth KV projection (default on)")
+    group.add_argument("--norm_position", choices=["pre", "post"], default=argparse.SUPPRESS,
+                       help="MoDA norm placement (default pre)")
 
 
 def _moda_name(config: PretrainedConfig) -> str:
@@ -155,7 +162,7 @@ def _attnres_block_size(text: str) -> int | None:
 
 def _attnres_cli(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("attnres")
-    group.add_argument("--attnres_block_size", type=_attnres_block_size, default=None,
+    group.add_argument("--attnres_block_size", type=_attnres_block_size, default=argparse.SUPPRESS,
                        help="AttnRes: sub-layers per block (block AttnRes); 'full' or omitted: full AttnRes")
 
 
@@ -223,7 +230,7 @@ FAMILIES: Mapping[str, Family] = {
             variant_name=lambda config: f"denseformer {config.dwa_dilation}x{config.dwa_period}",
             card_values=_denseformer_card_values,
             add_cli_options=_denseformer_cli,
-            config_kwargs=lambda args: {"dwa_dilation": args.dwa_dilation, "dwa_period": args.dwa_period},
+            config_kwargs=lambda args: _given(args, "dwa_dilation", "dwa_period"),
             analysis_plot=plotting.plot_denseformer_analysis,
             from_llama=convert.llama_to_denseformer,
         ),
@@ -240,7 +247,7 @@ FAMILIES: Mapping[str, Family] = {
             variant_name=_moda_name,
             card_values=_moda_card_values,
             add_cli_options=_moda_cli,
-            config_kwargs=lambda args: {"moda_ffn_kv": args.moda_ffn_kv, "norm_position": args.norm_position},
+            config_kwargs=lambda args: _given(args, "moda_ffn_kv", "norm_position"),
             analysis_plot=plotting.plot_moda_analysis,
             from_llama=convert.llama_to_moda,
         ),
@@ -257,7 +264,7 @@ FAMILIES: Mapping[str, Family] = {
             variant_name=_attnres_name,
             card_values=_attnres_card_values,
             add_cli_options=_attnres_cli,
-            config_kwargs=lambda args: {"attnres_block_size": args.attnres_block_size},
+            config_kwargs=lambda args: _given(args, "attnres_block_size"),
             analysis_plot=plotting_attnres.plot_attnres_analysis,
             from_llama=convert.llama_to_attnres,
         ),

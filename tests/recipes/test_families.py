@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from transformers import AutoConfig, AutoModel, LlamaForCausalLM
 from depthfusion_hf.export import AUTO_CLASSES, PIPELINE_TAGS, default_model_cards_dir
 from depthfusion_hf.families import FAMILIES, Family, causal_lm_families, get_family
 from depthfusion_hf.recipes import clm
+
+REPO = Path(__file__).resolve().parents[2]
 
 ARCH = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2)
 
@@ -82,3 +85,18 @@ def test_a_new_registry_entry_is_all_the_recipe_needs(monkeypatch):
     model = clm.build_model("fakeformer", ARCH, dwa_dilation=1, dwa_period=1)
     assert isinstance(model, dense.task_model_class)
     assert isinstance(fake, Family) and fake.is_causal_lm
+
+
+def test_family_config_file_fields_and_cli_overrides():
+    """A family config file may carry its own fields; only options given on the command line override them."""
+    arch = clm.load_arch(REPO / "configs" / "denseformer_tiny.json")  # dwa_dilation 2, dwa_period 3
+    parser = argparse.ArgumentParser()
+    clm.add_family_options(parser)
+    from_file = clm.build_config("denseformer", arch, **clm.family_kwargs("denseformer", parser.parse_args([])))
+    assert (from_file.dwa_dilation, from_file.dwa_period) == (2, 3)
+    given = parser.parse_args(["--dwa_period", "2"])
+    overridden = clm.build_config("denseformer", arch, **clm.family_kwargs("denseformer", given))
+    assert (overridden.dwa_dilation, overridden.dwa_period) == (2, 2)
+    defaults = clm.build_config("moda", clm.load_arch(REPO / "configs" / "clm_tiny.json"),
+                                **clm.family_kwargs("moda", parser.parse_args(["--no-moda_ffn_kv"])))
+    assert (defaults.moda_ffn_kv, defaults.norm_position) == (False, "pre")

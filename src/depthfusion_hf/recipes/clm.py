@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,7 +114,8 @@ def build_config(kind: str, fields: dict, **kwargs) -> PretrainedConfig:
     family = _family(kind)
     if family is None:
         return LlamaConfig(**fields)
-    return family.config_class(**fields, **kwargs)
+    # Family fields given on the command line override the same fields of a family config file.
+    return family.config_class(**(fields | kwargs))
 
 
 def run_name(config: PretrainedConfig) -> str:
@@ -243,14 +245,17 @@ def train_one(
     settings: TrainSettings,
     tokenizer=None,
     resume_from_checkpoint: str | bool | None = None,
+    trainer_class: Callable[..., Trainer] = DepthFusionTrainer,
 ) -> RunResult:
     """Train ``model`` with the ``Trainer``, evaluate it, and save a remote-code folder to ``output_dir/final``.
 
     ``output_dir/final`` must be missing, empty or a previous export of this package (see
     ``remote_code.save_model_folder``); check it with ``safe_folder.check_target`` before training.
+    ``trainer_class`` builds the trainer from ``model``, ``args``, ``train_dataset`` and ``eval_dataset`` keywords
+    (a ``DepthFusionTrainer`` subclass or a ``functools.partial`` adding callbacks; see ``recipes/study.py``).
     """
     args = training_arguments(output_dir, settings)
-    trainer = DepthFusionTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
     start = time.perf_counter()
     train_output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     seconds = train_output.metrics.get("train_runtime", time.perf_counter() - start)
@@ -281,7 +286,8 @@ def unsharded_model(trainer: Trainer, model: PreTrainedModel) -> PreTrainedModel
 
     Every rank must call this (the gather is a collective); other ranks get ``None`` when a copy is made.
     Without FSDP or DeepSpeed (one process, DDP) nothing is gathered and ``model`` comes back on every rank.
-    Not exercised by the CPU tests: the Trainer runs neither FSDP nor DeepSpeed without GPUs.
+    Tested under FSDP2 on 2 CPU processes (``tests/training/test_fsdp.py``: the export holds every trained tensor
+    and gives the trained model's logits).
     """
     if not (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled):
         return model
