@@ -1,4 +1,4 @@
-"""Fixtures for the training tests: a small slice of the built-in corpus as a local text file."""
+"""Fixtures for the training tests: a small slice of the built-in corpus, and single-process reference runs."""
 
 from __future__ import annotations
 
@@ -13,3 +13,22 @@ def corpus_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus") / "train.txt"
     path.write_text("\n\n".join(load_documents()[:60]), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session")
+def single_process_run(tmp_path_factory, corpus_file):
+    """``family -> (results, output folder)`` of the one-process run on the global batch (computed once per family).
+
+    The reference the 2-rank DDP and FSDP runs of ``tests/training/launch.py`` are compared with.
+    """
+    from .launch import single_process
+
+    runs: dict[str, tuple[dict, object]] = {}
+
+    def run(family: str):
+        if family not in runs:
+            out = tmp_path_factory.mktemp(f"single_{family}")
+            runs[family] = (single_process(corpus_file, family, out), out)
+        return runs[family]
+
+    return run
