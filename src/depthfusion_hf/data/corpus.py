@@ -121,7 +121,8 @@ def load_documents(
     """Load a list of documents.
 
     Args:
-        dataset: ``"kjv"`` (built-in, the default when nothing is given) or a Hub dataset id
+        dataset: ``"kjv"`` (built-in, the default when nothing is given), ``"plays"`` (built-in, see
+            :mod:`depthfusion_hf.data.plays`) or a Hub dataset id
             (needs network access, loaded with ``datasets.load_dataset``); missing (``None``) and blank
             texts are skipped, a non-string text is a ValueError naming the row.
         files: local ``.txt``/``.md`` (paragraphs are documents) or ``.json``/``.jsonl`` files, read by
@@ -139,6 +140,10 @@ def load_documents(
         documents = [doc for f in files for doc in _read_local_file(Path(f), text_column)]
     elif dataset in (None, BUILTIN_CORPUS):
         documents = load_kjv_chapters()
+    elif dataset == "plays":  # the second built-in corpus (Shakespeare's plays, Gutenberg texts): data/plays.py
+        from .plays import load_play_documents
+
+        documents = load_play_documents()
     else:
         from datasets import load_dataset
 

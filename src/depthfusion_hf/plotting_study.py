@@ -1,0 +1,90 @@
+"""Figures of the family studies (``recipes/study.py``): validation loss against steps with seed bands, and the
+paired final Δ-loss against depth per family."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from .recipes.study import compare_summary, model_order
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_loss_curves(records: Sequence[dict], path: str | Path, title: str) -> Path:
+    """Validation loss against steps, one line per spec (mean over seeds) with a band of ± one std over seeds.
+
+    ``records``: runs with ``spec``, ``seed`` and ``curve`` (``[{"step", "eval_loss"}]``), e.g. one depth's runs.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for spec in model_order(records):
+        curves = [r["curve"] for r in records if r["spec"] == spec]
+        steps = sorted({p["step"] for c in curves for p in c})
+        means, lows, highs = [], [], []
+        for step in steps:
+            values = [p["eval_loss"] for c in curves for p in c if p["step"] == step]
+            mean = statistics.fmean(values)
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
+            means.append(mean)
+            lows.append(mean - std)
+            highs.append(mean + std)
+        line, = ax.plot(steps, means, label=f"{spec} ({len(curves)} seeds)")
+        ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/token)")
+    losses = [p["eval_loss"] for r in records for p in r["curve"] if p["step"] > 0]
+    if losses:  # the step-0 loss (about ln V) would squash the rest
+        ax.set_ylim(min(losses) - 0.05, max(losses) + 0.05)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_delta_vs_depth(records: Sequence[dict], path: str | Path, title: str) -> Path:
+    """Final paired Δ validation loss to the same-seed Llama against depth, one line per spec, 95 % t-intervals
+    as error bars (none for one seed)."""
+    plt = _pyplot()
+    summary = compare_summary(records)
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    specs = [s for s in model_order(records) if s != "llama"]
+    for spec in specs:
+        depths, means, errors = [], [], []
+        for depth, rows in summary.items():
+            paired = rows.get(spec, {}).get("paired")
+            if paired is None:
+                continue
+            depths.append(depth)
+            means.append(paired.mean)
+            errors.append(0.0 if paired.n < 2 else paired.high - paired.mean)
+        if depths:
+            ax.errorbar(depths, means, yerr=errors, marker="o", capsize=4, label=spec)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xlabel("layers")
+    ax.set_xticks(sorted(summary))
+    ax.set_ylabel("Δ val loss vs Llama (paired; < 0 is better)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+__all__ = ["plot_delta_vs_depth", "plot_loss_curves"]
