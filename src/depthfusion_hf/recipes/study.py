@@ -199,12 +199,14 @@ def prepare_study_data(
     max_train_blocks: int | None = None,
     max_eval_blocks: int | None = 64,
     carve_test: bool = False,
+    tokenizer: Any = None,
 ) -> StudyData:
     """Load a corpus (``load_documents``: ``kjv``, ``plays``, a Hub id, or local ``files``), hold out its last
     ``held_out_fraction`` of documents, train the tokenizer on the rest and pack blocks.
 
     With ``carve_test`` the held-out documents are split in two contiguous halves: validation (first) and test
-    (second); choices are made on validation, the test split is only reported.
+    (second); choices are made on validation, the test split is only reported. A given ``tokenizer`` (e.g. a
+    pretrained checkpoint's) is used instead of training one.
     """
     from ..data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer
 
@@ -217,7 +219,7 @@ def prepare_study_data(
         val_docs, test_docs = held_out[: len(held_out) // 2], held_out[len(held_out) // 2:]
     else:
         val_docs, test_docs = held_out, None
-    tokenizer = train_bpe_tokenizer(train_docs, vocab_size)
+    tokenizer = tokenizer if tokenizer is not None else train_bpe_tokenizer(train_docs, vocab_size)
     train = pack_into_blocks(tokenizer, train_docs, block_size, max_train_blocks)
     validation = pack_into_blocks(tokenizer, val_docs, block_size, max_eval_blocks)
     test = pack_into_blocks(tokenizer, test_docs, block_size, max_eval_blocks) if test_docs else None
@@ -230,6 +232,17 @@ def prepare_study_data(
 # ---------------------------------------------------------------------------------------------------
 # The run store
 # ---------------------------------------------------------------------------------------------------
+
+
+def _flatten(settings: dict, prefix: str = "") -> dict:
+    """``{"train": {"max_steps": 6}}`` -> ``{"train.max_steps": 6}``."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 class SettingsMismatch(ValueError):
@@ -262,8 +275,8 @@ class RunStore:
 
     def _check(self, record: dict, path: Path) -> dict:
         if record.get("settings") != self.settings:
-            theirs = record.get("settings") or {}
-            diff = sorted(k for k in set(theirs) | set(self.settings) if theirs.get(k) != self.settings.get(k))
+            theirs, ours = _flatten(record.get("settings") or {}), _flatten(self.settings)
+            diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
             raise SettingsMismatch(f"{path} was made with other settings (differing: {diff}); use another "
                                    "output folder, or the same command as the stored runs")
         return record
