@@ -50,7 +50,7 @@ def test_two_cpu_ranks_train_like_one_process_on_the_global_batch(launcher, tmp_
     writes = [json.loads(line) for line in (record / "writes.jsonl").read_text().splitlines()]
     assert {"rank": 1, "what": "main_process=False"} in writes
     assert {"rank": 0, "what": "main_process=True"} in writes
-    assert sorted(w["what"] for w in writes if w["rank"] == 1) == ["main_process=False"]
+    assert {w["what"] for w in writes if w["rank"] == 1} == {"main_process=False"}  # rank 1 wrote nothing
     assert {w["what"] for w in writes if w["rank"] == 0} >= {"final folder", "figure"}
     saved = saved_weights(out / FAMILY / "final")
     for name, tensor in saved.items():
