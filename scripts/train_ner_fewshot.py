@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--num_threads", type=int, default=DEFAULTS.num_threads,
                      help="torch CPU threads; 1 avoids oversubscription stalls on a shared CPU (0 = torch's default)")
     exp.add_argument("--output_dir", default=DEFAULTS.output_dir)
+    exp.add_argument("--selected_settings",
+                     help="selected.json of scripts/ner_study.py: per size and fusion, its dev-selected learning "
+                          "rates and steps replace --learning_rate / --head_learning_rate / --max_steps")
     return p
 
 

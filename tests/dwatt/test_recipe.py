@@ -107,3 +107,23 @@ def test_a_few_real_steps_write_sane_outputs(tmp_path):
     assert cell["runs"] == 2 and cell["f1_mean"] == pytest.approx(sum(f1s) / 2)
     table = (out / "results.md").read_text()
     assert "| 8 |" in table and "| 1-shot |" in table and "±" in table and "over `last`" in table
+
+
+def test_selected_settings_of_a_study_replace_the_rates_and_steps_of_their_cell_only(tmp_path):
+    path = tmp_path / "selected.json"
+    point = {"learning_rate": 1e-3, "head_learning_rate": 1e-2, "max_steps": 120, "dev_f1_mean": 20.0}
+    path.write_text(json.dumps({"5-shot": {"dwatt": point, "last": point | {"learning_rate": 1e-4}}}))
+    settings = ner.NerSettings(sizes=["5-shot"], fusions=["last", "dwatt"], selected_settings=str(path))
+    selected = ner.load_selected(settings)
+    size = settings.sizes[0]
+    cell = ner.cell_settings(settings, selected, size, "dwatt")
+    assert (cell.learning_rate, cell.head_learning_rate, cell.max_steps) == (1e-3, 1e-2, 120)
+    assert ner.cell_settings(settings, selected, size, "last").learning_rate == 1e-4
+    assert (cell.batch_size, cell.seeds) == (settings.batch_size, settings.seeds)  # nothing else changes
+    assert settings.learning_rate == ner.NerSettings().learning_rate  # the settings object is not mutated
+    unselected = ner.cell_settings(settings, {}, size, "dwatt")
+    assert unselected is settings
+    missing = ner.NerSettings(sizes=["5-shot", "50"], fusions=["dwatt"], selected_settings=str(path))
+    with pytest.raises(ValueError, match=r"no selected settings for \(size, fusion\) \[\('50', 'dwatt'\)\]"):
+        ner.load_selected(missing)
+    assert ner.load_selected(ner.NerSettings()) == {}

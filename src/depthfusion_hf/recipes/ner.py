@@ -65,7 +65,9 @@ class NerSettings:
     ``"50"`` (sentences) or ``"5-shot"`` (K per entity type) and holds ``TrainingSize`` objects after
     construction. ``max_steps <= 0`` trains for ``epochs`` instead. ``warmup``: a fraction of the steps
     (< 1) or a step count. ``num_threads``: torch CPU threads (0 = torch's default). ``config``: the JSON
-    file the values came from, recorded in ``runs.json``.
+    file the values came from, recorded in ``runs.json``. ``selected_settings``: a ``selected.json`` written by
+    ``scripts/ner_study.py``; its per-(size, fusion) learning rates and step count, chosen on a dev split,
+    replace ``learning_rate`` / ``head_learning_rate`` / ``max_steps`` in that cell (:func:`cell_settings`).
 
     Raises:
         ValueError: an unknown fusion method, a malformed size, or only one of ``train_file`` / ``test_file``.
@@ -96,6 +98,7 @@ class NerSettings:
     warmup: float = 0.1
     num_threads: int = 1
     output_dir: str = "runs/ner_fewshot"
+    selected_settings: str | None = None
 
     def __post_init__(self) -> None:
         self.sizes = [size if isinstance(size, TrainingSize) else parse_size(size) for size in self.sizes]
@@ -131,6 +134,32 @@ def read_config(path: str | Path) -> dict:
     if unknown:
         raise ValueError(f"{path}: unknown option(s) {unknown}")
     return {key: value for key, value in values.items() if not key.startswith("_")}
+
+
+def load_selected(settings: NerSettings) -> dict:
+    """The selected points of ``settings.selected_settings`` ({size label: {fusion: point}}), or {} without one.
+
+    Raises:
+        ValueError: naming the (size, fusion) cells of the grid that the file does not hold.
+    """
+    if not settings.selected_settings:
+        return {}
+    selected = json.loads(Path(settings.selected_settings).read_text(encoding="utf-8"))
+    missing = [(size.label, fusion) for size in settings.sizes for fusion in settings.fusions
+               if fusion not in selected.get(size.label, {})]
+    if missing:
+        raise ValueError(f"{settings.selected_settings} has no selected settings for (size, fusion) {missing}")
+    return selected
+
+
+def cell_settings(settings: NerSettings, selected: dict, size: TrainingSize, fusion: str) -> NerSettings:
+    """The settings of one (size, fusion) cell: the learning rates and step count ``selected`` holds for it
+    (see :func:`load_selected`), else ``settings`` unchanged."""
+    point = selected.get(size.label, {}).get(fusion)
+    if point is None:
+        return settings
+    return dataclasses.replace(settings, learning_rate=point["learning_rate"],
+                               head_learning_rate=point["head_learning_rate"], max_steps=point["max_steps"])
 
 
 def default_encoder() -> str:
@@ -350,6 +379,7 @@ def run_experiment(settings: NerSettings, command: str = "") -> dict:
     if settings.num_threads > 0:
         torch.set_num_threads(settings.num_threads)
     start = time.perf_counter()
+    selected = load_selected(settings)
     splits, data_name = load_splits(settings)
     label_list = build_label_list(splits["train"], splits["validation"], splits["test"])
     label2id = {label: i for i, label in enumerate(label_list)}
@@ -368,8 +398,10 @@ def run_experiment(settings: NerSettings, command: str = "") -> dict:
             for seed in settings.seeds:
                 train = sample_training_set(splits["train"], size, seed, entity_types)
                 for fusion in settings.fusions:
-                    record = {"size": size.label, "size_kind": size.kind, "size_value": size.value}
-                    record.update(run_one(settings, encoder, tokenizer, train, fusion, seed, label_list, evaluation,
+                    cell = cell_settings(settings, selected, size, fusion)
+                    record = {"size": size.label, "size_kind": size.kind, "size_value": size.value,
+                              "learning_rate": cell.learning_rate, "head_learning_rate": cell.head_learning_rate}
+                    record.update(run_one(cell, encoder, tokenizer, train, fusion, seed, label_list, evaluation,
                                           workdir))
                     runs.append(record)
                     print(f"size={size.label:>7} seed={seed} fusion={fusion:>6}: F1 {record['f1']:6.2f} "
@@ -380,9 +412,11 @@ def run_experiment(settings: NerSettings, command: str = "") -> dict:
 __all__ = [
     "NerSettings",
     "build_optimizer",
+    "cell_settings",
     "default_encoder",
     "encode",
     "encoder_name",
+    "load_selected",
     "load_splits",
     "markdown_table",
     "read_config",

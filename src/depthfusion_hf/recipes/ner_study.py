@@ -48,7 +48,7 @@ Sentence = dict[str, list[str]]
 
 # NerSettings fields the study sets itself (per cell and run) or does not use.
 _STUDY_CONTROLLED = {"config", "fusions", "sizes", "seeds", "learning_rate", "head_learning_rate", "max_steps",
-                     "epochs", "output_dir", "validation_file"}
+                     "epochs", "output_dir", "validation_file", "selected_settings"}
 # Study fields that may change between invocations sharing one output folder (they select what runs, not how).
 _FREE_FIELDS = {"methods", "sizes", "seeds", "shard", "output_dir", "config"}
 BASELINES = ("last", "last_ln")
@@ -264,6 +264,9 @@ def write_text_atomic(path: Path, text: str) -> None:
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(handle, "w") as out:
         out.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temporary, 0o666 & ~umask)  # mkstemp creates 0600; give the file an ordinary file's mode
     os.replace(temporary, path)
 
 
