@@ -285,10 +285,10 @@ def run_one(settings: NerSettings, encoder: str, tokenizer, train: list[Sentence
                       data_collator=DataCollatorForTokenClassification(tokenizer),
                       optimizers=(build_optimizer(model, settings), None))
     trainer.remove_callback(PrinterCallback)  # it prints the end-of-training metrics dict; we print one line
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     result = trainer.train()
-    train_seconds = time.perf_counter() - start
-    start = time.perf_counter()
+    train_seconds, train_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    start, cpu_start = time.perf_counter(), time.process_time()
     record = {
         "fusion": fusion,
         "seed": seed,
@@ -297,6 +297,7 @@ def run_one(settings: NerSettings, encoder: str, tokenizer, train: list[Sentence
         "steps": result.global_step,
         "train_loss": result.training_loss,
         "train_seconds": round(train_seconds, 2),
+        "train_cpu_seconds": round(train_cpu_seconds, 2),  # wall >> CPU x threads: the machine was busy
         "fusion_params": model.fusion_num_parameters(),
         "total_params": sum(p.numel() for p in model.parameters()),
     }
@@ -305,6 +306,7 @@ def run_one(settings: NerSettings, encoder: str, tokenizer, train: list[Sentence
         prefix = "" if split == "test" else f"{split}_"
         record.update({prefix + key: round(value, 3) for key, value in metrics.items()})
     record["eval_seconds"] = round(time.perf_counter() - start, 2)
+    record["eval_cpu_seconds"] = round(time.process_time() - cpu_start, 2)
     return record
 
 

@@ -43,6 +43,7 @@ from ..data import TrainingSize, build_label_list, count_entities, parse_size
 from ..models.dwatt import FUSION_METHODS
 from ..plotting import plot_f1_vs_size
 from .ner import NerSettings, default_encoder, encode, encoder_name, load_splits, run_one, sample_training_set
+from .study import t_quantile_975
 
 Sentence = dict[str, list[str]]
 
@@ -202,15 +203,8 @@ def select_point(selection_runs: list[dict]) -> dict:
             "runs": len(f1)}
 
 
-def t_quantile(probability: float, dof: int) -> float:
-    """Student-t quantile (scipy, installed with seqeval's scikit-learn)."""
-    from scipy.stats import t
-
-    return float(t.ppf(probability, dof))
-
-
-def paired_gain(values: dict[int, float], baseline: dict[int, float], confidence: float = 0.95) -> dict | None:
-    """Paired difference ``values - baseline`` over the seeds both have: mean, std, t-interval, seeds won.
+def paired_gain(values: dict[int, float], baseline: dict[int, float]) -> dict | None:
+    """Paired difference ``values - baseline`` over the seeds both have: mean, std, 95 % t-interval, seeds won.
 
     Returns ``None`` when no seed is shared; the interval is ``None`` for a single seed. ``wins`` counts
     seeds where the difference is > 0 (a tie is not a win).
@@ -224,7 +218,7 @@ def paired_gain(values: dict[int, float], baseline: dict[int, float], confidence
               "wins": sum(d > 0 for d in diffs), "diffs": diffs}
     if len(diffs) > 1:
         std = statistics.stdev(diffs)
-        half = t_quantile(0.5 + confidence / 2, len(diffs) - 1) * std / math.sqrt(len(diffs))
+        half = t_quantile_975(len(diffs) - 1) * std / math.sqrt(len(diffs))
         result.update(std=std, low=mean - half, high=mean + half)
     return result
 
@@ -355,6 +349,8 @@ def summarise_study(settings: NerStudySettings, records: list[dict]) -> dict:
                    "f1_mean": statistics.mean(f1), "f1_std": statistics.stdev(f1) if len(f1) > 1 else 0.0,
                    "learning_rate": tests[0]["learning_rate"], "max_steps": tests[0]["max_steps"],
                    "train_seconds_mean": statistics.mean(r["train_seconds"] for r in tests),
+                   "train_cpu_seconds_mean": statistics.mean(r["train_cpu_seconds"] for r in tests)
+                   if all("train_cpu_seconds" in r for r in tests) else None,
                    "cell_seconds": sum(r["train_seconds"] + r["eval_seconds"] for r in mine)}
             scores = {r["seed"]: r["f1"] for r in tests}
             for baseline in BASELINES:
@@ -370,6 +366,12 @@ def _gain_cell(gain: dict | None) -> str:
         return "–"
     interval = "" if gain["low"] is None else f" [{gain['low']:+.2f}, {gain['high']:+.2f}]"
     return f"{gain['mean']:+.2f}{interval} ({gain['wins']}/{gain['n']})"
+
+
+def _time_cell(row: dict) -> str:
+    cpu = row["train_cpu_seconds_mean"]
+    cpu_text = "" if cpu is None else f" ({cpu:.1f})"
+    return f"{row['train_seconds_mean']:.1f}{cpu_text} / {row['cell_seconds']:.0f}"
 
 
 def study_markdown(settings: NerStudySettings, summary: dict) -> str:
@@ -403,13 +405,12 @@ def study_markdown(settings: NerStudySettings, summary: dict) -> str:
         for size in settings.sizes:
             lines.append(f"| {size.label} | " + " | ".join(
                 _gain_cell(rows.get((size.label, m), {}).get(f"gain_over_{baseline}")) for m in others) + " |")
-    lines += ["", "Wall time: mean training seconds per test run / all seconds of the cell (selection + test, "
-                  "training + scoring):", "",
+    lines += ["", "Time: mean training seconds per test run, wall (CPU) / all wall seconds of the cell (selection + "
+                  "test, training + scoring); wall well above CPU means the machine was busy:", "",
               "| size | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
     for size in settings.sizes:
         lines.append(f"| {size.label} | " + " | ".join(
-            f"{rows[(size.label, m)]['train_seconds_mean']:.1f} / {rows[(size.label, m)]['cell_seconds']:.0f}"
-            if (size.label, m) in rows else "–" for m in methods) + " |")
+            _time_cell(rows[(size.label, m)]) if (size.label, m) in rows else "–" for m in methods) + " |")
     return "\n".join(lines) + "\n"
 
 
