@@ -292,11 +292,22 @@ def plot_moda_stream(record: dict, out: Path) -> Path:
 
 
 def load_sweep(path: Path, commit: str | None = None) -> list[dict]:
-    """Every record of the latest (or the given) commit in ``path``, sorted by layer count."""
+    """The latest sweep in ``path``: walking back from the last record (of ``commit``, if given) with the same
+    label, every record until a layer count repeats; sorted by layer count. (Records of one sweep may name
+    different commits: the repository moves while it runs.)"""
     last = load_record(path, commit)
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    records = [r for r in records if r.get("commit") == last.get("commit") and r.get("results")]
-    return sorted(records, key=lambda r: r["args"]["layers"])
+    sweep: dict[int, dict] = {}
+    for record in reversed(records):
+        if not record.get("results") or record.get("label") != last.get("label"):
+            continue
+        if commit is not None and not str(record.get("commit", "")).startswith(commit):
+            continue
+        layers = record["args"]["layers"]
+        if layers in sweep:
+            break
+        sweep[layers] = record
+    return [sweep[n] for n in sorted(sweep)]
 
 
 def plot_moda_layers(records: list[dict], out: Path) -> Path:
