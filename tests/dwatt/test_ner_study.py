@@ -181,4 +181,9 @@ def test_a_real_tiny_study_selects_on_dev_reports_paired_gains_and_resumes(tmp_p
     trained.clear()
     with pytest.raises(ValueError, match=r"holds a study with other settings \['dev_size'\]"):
         ner_study.run_study(tiny_study(out, dev_size=13))
-    assert trained == []
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "results.md").write_text("someone else's")
+    with pytest.raises(ValueError, match="is not empty and holds no study.json"):
+        ner_study.run_study(tiny_study(foreign))
+    assert trained == [] and (foreign / "results.md").read_text() == "someone else's"

@@ -211,10 +211,13 @@ def sample_training_set(pool: list[Sentence], size: TrainingSize, seed: int, ent
 
 
 def encode(sentences: list[Sentence], tokenizer, label2id: dict[str, int], max_length: int) -> Dataset:
-    """A tokenised ``datasets.Dataset`` with first-subword ``labels``."""
-    dataset = Dataset.from_list(sentences)
-    return dataset.map(lambda batch: tokenize_and_align(batch, tokenizer, label2id, max_length), batched=True,
-                       remove_columns=dataset.column_names)
+    """A tokenised ``datasets.Dataset`` with first-subword ``labels`` (one row per sentence, in order).
+
+    Built directly rather than with ``Dataset.map``, whose fingerprint pickles the tokenizer (about a
+    second per call on a busy CPU, once per run).
+    """
+    batch = {"tokens": [s["tokens"] for s in sentences], "ner_tags": [s["ner_tags"] for s in sentences]}
+    return Dataset.from_dict(dict(tokenize_and_align(batch, tokenizer, label2id, max_length)))
 
 
 def build_optimizer(model: torch.nn.Module, settings: NerSettings) -> torch.optim.Optimizer:

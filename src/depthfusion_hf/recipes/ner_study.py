@@ -265,13 +265,18 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def check_or_write_study_file(settings: NerStudySettings) -> None:
-    """Record the fixed settings in ``study.json``; refuse a folder written with other fixed settings.
+    """Record the fixed settings in ``study.json``; refuse a folder written with other fixed settings, or a
+    non-empty folder that holds no study (the report would replace its files).
 
     Raises:
-        ValueError: naming the settings that differ from the stored ones.
+        ValueError: naming the settings that differ from the stored ones, or the foreign folder.
     """
-    path = Path(settings.output_dir) / "study.json"
+    out = Path(settings.output_dir)
+    path = out / "study.json"
     fixed = json.loads(json.dumps(settings.fixed_record()))  # JSON round trip: tuples -> lists
+    if not path.is_file() and out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty and holds no study.json: the study writes only into an empty or new "
+                         f"folder, or one of its own")
     if path.is_file():
         stored = json.loads(path.read_text())["fixed"]
         differ = sorted(k for k in set(stored) | set(fixed) if stored.get(k) != fixed.get(k))
