@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(overrides --dataset, --train_files, --layers, --seeds)")
     p.add_argument("--dataset", default="kjv", help="'kjv', 'plays' (built-in) or a Hub dataset id (online)")
     p.add_argument("--train_files", nargs="*", default=None, help="local .txt/.md/.json/.jsonl files instead")
+    p.add_argument("--dataset_config", default=None, help="Hub dataset configuration name")
+    p.add_argument("--text_column", default="text", help="text field of Hub datasets and JSON files")
     p.add_argument("--held_out_fraction", type=float, default=0.03, help="last fraction of documents: validation")
     p.add_argument("--config", default=str(REPO / "configs" / "clm_narrow.json"), help="Llama-style model JSON")
     p.add_argument("--vocab_size", type=int, default=2048)
@@ -91,7 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.1)
     p.add_argument("--warmup_ratio", type=float, default=0.05)
     p.add_argument("--eval_steps", type=int, default=25)
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU)")
     p.add_argument("--output_dir", default="outputs/compare_families")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="the equal-time comparison's clock: wall-clock, or the process's CPU time (steadier when other "
+                        "jobs share the machine); both are stored, so --report_only can switch")
     p.add_argument("--report_only", action="store_true", help="only rewrite results.md / plots from stored runs")
     p.add_argument("--no_plots", action="store_true")
     args = p.parse_args(argv)
@@ -107,11 +113,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def study_settings(args: argparse.Namespace, dataset: str, files: list[str] | None, arch: dict) -> dict:
+def study_settings(args: argparse.Namespace, dataset: str, files: list[str] | None, arch: dict,
+                   dataset_config: str | None = None) -> dict:
     """What every run of one stage shares (stored with each run; a folder with other settings is refused)."""
     settings = asdict(train_settings(args))
     settings.pop("seed")
-    return dict(dataset=dataset, files=files, held_out_fraction=args.held_out_fraction, vocab_size=args.vocab_size,
+    return dict(dataset=dataset, dataset_config=dataset_config, text_column=args.text_column, files=files,
+                held_out_fraction=args.held_out_fraction, vocab_size=args.vocab_size,
                 block_size=args.block_size, max_train_blocks=args.max_train_blocks,
                 max_eval_blocks=args.max_eval_blocks, arch=arch, train=settings)
 
@@ -120,15 +128,16 @@ def train_settings(args: argparse.Namespace) -> TrainSettings:
     """The schedule of every run (the seed is set per run)."""
     return TrainSettings(max_steps=args.max_steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                          weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, eval_steps=args.eval_steps,
-                         logging_steps=max(1, args.eval_steps))
+                         logging_steps=max(1, args.eval_steps), bf16=args.bf16)
 
 
-def report(records: list[dict], out: Path, title: str, plots: bool) -> str:
+def report(records: list[dict], out: Path, title: str, plots: bool, args: argparse.Namespace) -> str:
     """Write ``results.md``, ``results.json`` and the plots for ``records``; returns the markdown."""
-    table = compare_tables(records, title)
+    clock = "cpu_seconds" if args.clock == "cpu" else "seconds"
+    table = compare_tables(records, title, clock)
     (out / "results.md").write_text(table, encoding="utf-8")
     summary = {depth: {spec: {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in row.items()}
-                       for spec, row in rows.items()} for depth, rows in compare_summary(records).items()}
+                       for spec, row in rows.items()} for depth, rows in compare_summary(records, clock).items()}
     (out / "results.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     if plots:
         from depthfusion_hf.plotting_study import plot_delta_vs_depth, plot_loss_curves
@@ -141,23 +150,24 @@ def report(records: list[dict], out: Path, title: str, plots: bool) -> str:
 
 
 def run_stage(args: argparse.Namespace, dataset: str, files: list[str] | None, layers: list[int], seeds: list[int],
-              out: Path) -> str:
+              out: Path, dataset_config: str | None = None) -> str:
     """One corpus: train what is missing, then report every run of the requested grid."""
     arch = load_arch(args.config)
     label = "files: " + ", ".join(files) if files else dataset
-    store = RunStore(out, study_settings(args, label, files, arch))
+    store = RunStore(out, study_settings(args, label, files, arch, dataset_config))
     stored = store.records()  # fails now, before any work, on runs made with other settings
     wanted = {(s.text, depth, seed) for s in args.specs for depth in layers for seed in seeds}
     if args.report_only:
         records = [r for r in stored if (r["spec"], r["layers"], r["seed"]) in wanted]
     else:
         data = prepare_study_data(dataset, files, args.held_out_fraction, args.vocab_size, args.block_size,
-                                  args.max_train_blocks, args.max_eval_blocks)
+                                  args.max_train_blocks, args.max_eval_blocks, dataset_config=dataset_config,
+                                  text_column=args.text_column)
         print(f"{label}: {data.info}", flush=True)
         records = run_compare_grid(args.specs, seeds, layers, arch, data, train_settings(args), store, label)
     if not records:
         raise SystemExit(f"{out}: no stored runs to report")
-    table = report(records, out, f"{label}, {args.max_steps} steps", plots=not args.no_plots)
+    table = report(records, out, f"{label}, {args.max_steps} steps", not args.no_plots, args)
     print("\n" + table, flush=True)
     return table
 
@@ -168,13 +178,14 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = Path(args.output_dir)
     if args.study:
-        stages = [(dataset, None, list(layers), list(STUDY_SEEDS), out / dataset) for dataset, layers in STUDY_STAGES]
+        stages = [(dataset, None, list(layers), list(STUDY_SEEDS), out / dataset, None)
+                  for dataset, layers in STUDY_STAGES]
     else:
-        stages = [(args.dataset, args.train_files, args.layers, args.seeds, out)]
+        stages = [(args.dataset, args.train_files, args.layers, args.seeds, out, args.dataset_config)]
     reports = {}
-    for dataset, files, layers, seeds, folder in stages:
+    for dataset, files, layers, seeds, folder, dataset_config in stages:
         folder.mkdir(parents=True, exist_ok=True)
-        reports[str(folder)] = run_stage(args, dataset, files, layers, seeds, folder)
+        reports[str(folder)] = run_stage(args, dataset, files, layers, seeds, folder, dataset_config)
     return reports
 
 

@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pretrain_seed", type=int, default=0)
     p.add_argument("--dataset", default="kjv", help="'kjv', 'plays' (built-in) or a Hub dataset id (online)")
     p.add_argument("--train_files", nargs="*", default=None, help="local .txt/.md/.json/.jsonl files instead")
+    p.add_argument("--dataset_config", default=None, help="Hub dataset configuration name")
+    p.add_argument("--text_column", default="text", help="text field of Hub datasets and JSON files")
     p.add_argument("--held_out_fraction", type=float, default=0.06,
                    help="last fraction of documents, cut into validation (first half) and test (second half)")
     p.add_argument("--config", default=str(REPO / "configs" / "clm_narrow.json"), help="Llama-style model JSON")
@@ -84,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.1)
     p.add_argument("--warmup_ratio", type=float, default=0.05)
     p.add_argument("--eval_steps", type=int, default=25)
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU)")
     p.add_argument("--output_dir", default="outputs/upcycle")
     p.add_argument("--no_plots", action="store_true")
     args = p.parse_args(argv)
@@ -112,7 +115,7 @@ def settings_for(args: argparse.Namespace, steps: int, seed: int) -> TrainSettin
     """The schedule of a run."""
     return TrainSettings(max_steps=steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                          weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, eval_steps=args.eval_steps,
-                         logging_steps=max(1, args.eval_steps), seed=seed)
+                         logging_steps=max(1, args.eval_steps), seed=seed, bf16=args.bf16)
 
 
 def pretrain(args: argparse.Namespace, data, out: Path, arch: dict) -> Path:
@@ -152,13 +155,14 @@ def main(argv: list[str] | None = None) -> str:
     tokenizer = AutoTokenizer.from_pretrained(args.init_from) if args.init_from else None
     data = prepare_study_data(args.dataset, args.train_files, args.held_out_fraction, args.vocab_size,
                               args.block_size, args.max_train_blocks, args.max_eval_blocks, carve_test=True,
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, dataset_config=args.dataset_config, text_column=args.text_column)
     print(f"data: {data.info}", flush=True)
     llama_path = Path(args.init_from) if args.init_from else pretrain(args, data, out, arch)
     _, second = halves(data.train)
     label = "files: " + ", ".join(args.train_files) if args.train_files else args.dataset
     store_settings = dict(
-        dataset=label, held_out_fraction=args.held_out_fraction, vocab_size=args.vocab_size,
+        dataset=label, dataset_config=args.dataset_config, text_column=args.text_column,
+        held_out_fraction=args.held_out_fraction, vocab_size=args.vocab_size,
         block_size=args.block_size, max_train_blocks=args.max_train_blocks, max_eval_blocks=args.max_eval_blocks,
         llama=str(llama_path) if args.init_from else dict(arch=arch, layers=args.layers,
                                                           steps=args.pretrain_steps, seed=args.pretrain_seed),

@@ -184,6 +184,8 @@ def test_compare_families_runs_resumes_and_reports(tmp_path, monkeypatch, capsys
         seconds = [p["seconds"] for p in run["curve"]]
         assert seconds[0] == 0.0 and seconds == sorted(seconds) and seconds[-1] > 0
         assert run["train_seconds"] == pytest.approx(seconds[-1], rel=1e-9)
+        cpu = [p["cpu_seconds"] for p in run["curve"]]
+        assert cpu[0] == 0.0 and cpu == sorted(cpu) and run["train_cpu_seconds"] == pytest.approx(cpu[-1], rel=1e-9)
         assert run["eval_loss"] == run["curve"][-1]["eval_loss"] and 0 < run["eval_loss"] < 7
         assert run["tokens_per_second"] == pytest.approx(6 * 4 * 32 / run["train_seconds"], rel=1e-9)
     llama0, dense0, llama1 = runs["llama", 0], runs["denseformer:1x1", 0], runs["llama", 1]
@@ -219,6 +221,22 @@ def test_compare_families_runs_resumes_and_reports(tmp_path, monkeypatch, capsys
     assert json.loads((out / "results.json").read_text())["2"]["denseformer:1x1"]["diffs"] == diffs
 
     # another schedule in the same folder is refused before any training
+    # the CPU-time comparison is recomputed from the stored curves without training
+    capsys.readouterr()
+    script.main(tiny_args(corpus, out, "llama,denseformer:1x1", ["0", "1"]) + ["--report_only", "--clock", "cpu"])
+    assert ": training (" not in capsys.readouterr().out
+    cpu_walls = []
+    for s in (0, 1):
+        budget = runs["llama", s]["train_cpu_seconds"]
+        cpu_walls.append(interpolate_curve(runs["denseformer:1x1", s]["curve"], budget, "cpu_seconds")[0]
+                         - interpolate_curve(runs["llama", s]["curve"], budget, "cpu_seconds")[0])
+    cpu_table = (out / "results.md").read_text()
+    assert "Δ at equal CPU time" in cpu_table
+    row = next(line for line in cpu_table.splitlines() if line.startswith("| denseformer:1x1 |"))
+    cpu_summary = paired_summary(cpu_walls)
+    assert [c.strip() for c in row.strip("|").split("|")][5].rstrip("*") == (
+        f"{cpu_summary.mean:+.4f} [{cpu_summary.low:+.4f}, {cpu_summary.high:+.4f}]")
+
     other = tiny_args(corpus, out, "llama", ["0"])
     other[other.index("--max_steps") + 1] = "7"
     with pytest.raises(SettingsMismatch, match=r"differing: \['train.max_steps'\]"):

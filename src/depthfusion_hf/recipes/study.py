@@ -200,17 +200,20 @@ def prepare_study_data(
     max_eval_blocks: int | None = 64,
     carve_test: bool = False,
     tokenizer: Any = None,
+    dataset_config: str | None = None,
+    text_column: str = "text",
 ) -> StudyData:
     """Load a corpus (``load_documents``: ``kjv``, ``plays``, a Hub id, or local ``files``), hold out its last
     ``held_out_fraction`` of documents, train the tokenizer on the rest and pack blocks.
 
     With ``carve_test`` the held-out documents are split in two contiguous halves: validation (first) and test
     (second); choices are made on validation, the test split is only reported. A given ``tokenizer`` (e.g. a
-    pretrained checkpoint's) is used instead of training one.
+    pretrained checkpoint's) is used instead of training one. ``dataset_config`` and ``text_column`` are passed to
+    ``load_documents`` (Hub datasets; ``text_column`` also names the field of JSON files).
     """
     from ..data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer
 
-    documents = load_documents(dataset, list(files) if files else None)
+    documents = load_documents(dataset, list(files) if files else None, text_column, dataset_config)
     train_docs, held_out = split_documents(documents, held_out_fraction)
     if carve_test:
         if len(held_out) < 2:
@@ -312,41 +315,65 @@ class RunStore:
 # ---------------------------------------------------------------------------------------------------
 
 
+# The clocks a run is timed with: curve key -> timer. ``seconds``: wall-clock; ``cpu_seconds``: this process's CPU
+# time (all its threads), which other jobs on a shared machine disturb far less.
+CLOCKS: dict[str, Callable[[], float]] = {"seconds": time.perf_counter, "cpu_seconds": time.process_time}
+
+
 class WallClock(TrainerCallback):
-    """Records every evaluation as ``{"step", "seconds", "eval_loss"}``, ``seconds`` being training time so far
-    with evaluation time excluded, and the total training seconds at the end (``train_seconds``).
+    """Records every evaluation as ``{"step", "seconds", "cpu_seconds", "eval_loss"}``: training time so far by the
+    wall clock and by the process's CPU time, evaluation time excluded from both; at the end, the totals
+    ``train_seconds`` and ``train_cpu_seconds``.
 
     A second evaluation at a step already recorded (``train_one``'s final ``evaluate``) is not recorded again.
     """
 
     def __init__(self) -> None:
         self.curve: list[dict] = []
-        self.train_seconds = float("nan")
-        self._begin = self._mark = 0.0
-        self._eval_seconds = 0.0
+        self.totals = {name: float("nan") for name in CLOCKS}
+        self._begin = dict.fromkeys(CLOCKS, 0.0)
+        self._mark = dict.fromkeys(CLOCKS, 0.0)
+        self._eval = dict.fromkeys(CLOCKS, 0.0)
+
+    @staticmethod
+    def _now() -> dict[str, float]:
+        return {name: timer() for name, timer in CLOCKS.items()}
+
+    @property
+    def train_seconds(self) -> float:
+        """Wall-clock training seconds (evaluation excluded)."""
+        return self.totals["seconds"]
+
+    @property
+    def train_cpu_seconds(self) -> float:
+        """CPU seconds of training (evaluation excluded)."""
+        return self.totals["cpu_seconds"]
 
     def on_train_begin(self, args, state, control, **kwargs):
-        """Start the clock."""
-        self._begin = self._mark = time.perf_counter()
+        """Start the clocks."""
+        self._begin = self._now()
+        self._mark = dict(self._begin)
 
     def on_step_end(self, args, state, control, **kwargs):
         """Mark the end of an optimiser step (an evaluation, if any, starts now)."""
-        self._mark = time.perf_counter()
+        self._mark = self._now()
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         """Record the evaluation (train time up to the step it follows) and discount its duration."""
-        now = time.perf_counter()
+        now = self._now()
         if metrics is None or "eval_loss" not in metrics:
             return
         if not self.curve or self.curve[-1]["step"] != state.global_step:
-            seconds = self._mark - self._begin - self._eval_seconds
-            self.curve.append({"step": state.global_step, "seconds": seconds, "eval_loss": float(metrics["eval_loss"])})
-        self._eval_seconds += now - self._mark
+            point = {"step": state.global_step}
+            point |= {name: self._mark[name] - self._begin[name] - self._eval[name] for name in CLOCKS}
+            self.curve.append(point | {"eval_loss": float(metrics["eval_loss"])})
+        for name in CLOCKS:
+            self._eval[name] += now[name] - self._mark[name]
         self._mark = now
 
     def on_train_end(self, args, state, control, **kwargs):
-        """Total training seconds without evaluation."""
-        self.train_seconds = self._mark - self._begin - self._eval_seconds
+        """Total training time without evaluation, by each clock."""
+        self.totals = {name: self._mark[name] - self._begin[name] - self._eval[name] for name in CLOCKS}
 
 
 class ScaledLrTrainer(DepthFusionTrainer):
@@ -393,6 +420,7 @@ class RunOutcome:
     train_loss: float
     parameters: int
     train_seconds: float
+    train_cpu_seconds: float
     tokens_per_second: float
     curve: list
     extra: dict = field(default_factory=dict)
@@ -419,8 +447,8 @@ def train_recorded(
         output_dir: where ``train_one`` saves ``final``; a temporary folder (deleted afterwards) when ``None``.
         test: also evaluate the final model on ``data.test`` (``extra["test_loss"]``).
     Returns:
-        the final validation loss, parameters, training seconds without evaluation, train tokens/s from them,
-        and the curve ``[{"step", "seconds", "eval_loss"}]`` starting at step 0.
+        the final validation loss, parameters, training wall-clock and CPU seconds without evaluation, train
+        tokens/s (wall-clock), and the curve ``[{"step", "seconds", "cpu_seconds", "eval_loss"}]`` from step 0.
     """
     clock = WallClock()
     settings = copy.deepcopy(settings)
@@ -437,7 +465,8 @@ def train_recorded(
     if test:
         extra["test_loss"] = evaluate_loss(model, data.test, settings)
     return RunOutcome(eval_loss=result.eval_loss, train_loss=result.train_loss, parameters=result.parameters,
-                      train_seconds=clock.train_seconds, tokens_per_second=tokens / max(clock.train_seconds, 1e-9),
+                      train_seconds=clock.train_seconds, train_cpu_seconds=clock.train_cpu_seconds,
+                      tokens_per_second=tokens / max(clock.train_seconds, 1e-9),
                       curve=clock.curve, extra=extra)
 
 
@@ -675,12 +704,20 @@ def model_order(records: Sequence[dict]) -> list[str]:
     return sorted(specs, key=lambda s: s != BASELINE)
 
 
-def compare_summary(records: Sequence[dict]) -> dict[int, dict[str, dict]]:
+# clock (a curve key) -> the run's total training time by that clock
+_CLOCK_TOTALS = {"seconds": "train_seconds", "cpu_seconds": "train_cpu_seconds"}
+
+
+def compare_summary(records: Sequence[dict], clock: str = "seconds") -> dict[int, dict[str, dict]]:
     """Per depth and model: losses, paired statistics against the same-seed Llama, and equal-wall-clock losses.
 
     For each run paired with a same-seed, same-depth Llama run, ``wall`` is its loss interpolated at the Llama's
-    total training seconds (``wall_reached`` False when the run finished before that budget).
+    total training seconds (``wall_reached`` False when the run finished before that budget); ``clock`` is
+    ``"seconds"`` (wall-clock) or ``"cpu_seconds"`` (the process's CPU time: steadier on a shared machine).
     """
+    if clock not in _CLOCK_TOTALS:
+        raise ValueError(f"clock must be one of {sorted(_CLOCK_TOTALS)}; got {clock!r}")
+    total = _CLOCK_TOTALS[clock]
     summary: dict[int, dict[str, dict]] = {}
     for depth in sorted({r["layers"] for r in records}):
         at_depth = [r for r in records if r["layers"] == depth]
@@ -693,13 +730,14 @@ def compare_summary(records: Sequence[dict]) -> dict[int, dict[str, dict]]:
                 parameters=runs[0]["parameters"],
                 tokens_per_second=statistics.fmean(r["tokens_per_second"] for r in runs),
                 train_seconds=statistics.fmean(r["train_seconds"] for r in runs),
+                train_cpu_seconds=statistics.fmean(r["train_cpu_seconds"] for r in runs),
             )
             paired = [(r, llama[r["seed"]]) for r in runs if r["seed"] in llama]
             if paired and spec != BASELINE:
                 row["diffs"] = [r["eval_loss"] - base["eval_loss"] for r, base in paired]
                 row["paired"] = paired_summary(row["diffs"])
-                walls = [interpolate_curve(r["curve"], base["train_seconds"]) for r, base in paired]
-                base_walls = [interpolate_curve(base["curve"], base["train_seconds"])[0] for _, base in paired]
+                walls = [interpolate_curve(r["curve"], base[total], clock) for r, base in paired]
+                base_walls = [interpolate_curve(base["curve"], base[total], clock)[0] for _, base in paired]
                 row["wall"] = [w for w, _ in walls]
                 row["wall_reached"] = [reached for _, reached in walls]
                 row["wall_diffs"] = [w - b for w, b in zip(row["wall"], base_walls)]
@@ -709,18 +747,21 @@ def compare_summary(records: Sequence[dict]) -> dict[int, dict[str, dict]]:
     return summary
 
 
-def compare_tables(records: Sequence[dict], title: str = "") -> str:
-    """The markdown report of a comparison: one table per depth (see ``scripts/compare_families.py``)."""
+def compare_tables(records: Sequence[dict], title: str = "", clock: str = "seconds") -> str:
+    """The markdown report of a comparison: one table per depth (see ``scripts/compare_families.py``); the equal-time
+    columns use ``clock`` (``"seconds"``: wall-clock, ``"cpu_seconds"``: CPU time, see :func:`compare_summary`)."""
+    budget = "wall-clock" if clock == "seconds" else "CPU time"
     lines = [f"# {title}" if title else "# Family comparison", ""]
     lines += ["Δ: paired difference to the Llama of the same seed and depth (negative = lower loss than the Llama), "
-              "mean [95 % t-interval]; won: seeds with Δ < 0. Equal wall-clock: each run's validation-loss curve "
-              "interpolated at the same-seed Llama's training seconds (evaluation excluded); * marks runs that "
-              "finished before that budget (their final loss is used).", ""]
-    for depth, rows in compare_summary(records).items():
+              f"mean [95 % t-interval]; won: seeds with Δ < 0. Equal {budget}: each run's validation-loss curve "
+              f"interpolated at the same-seed Llama's training {budget} (evaluation excluded); * marks runs that "
+              "finished before that budget (their final loss is used). Train tokens/s and train s: wall-clock; "
+              "CPU s: the process's CPU time.", ""]
+    for depth, rows in compare_summary(records, clock).items():
         lines += [f"## {depth} layers", "",
-                  "| model | seeds | val loss (mean ± std) | Δ at equal steps | won | Δ at equal wall-clock | won "
-                  "| params | train tokens/s | train s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"| model | seeds | val loss (mean ± std) | Δ at equal steps | won | Δ at equal {budget} | won "
+                  "| params | train tokens/s | train s | CPU s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for spec, row in rows.items():
             mean, std = mean_std(row["losses"])
             if "paired" in row:
@@ -731,7 +772,8 @@ def compare_tables(records: Sequence[dict], title: str = "") -> str:
             else:
                 delta = "— | — | — | —"
             lines.append(f"| {spec} | {len(row['seeds'])} | {_pm(mean, std)} | {delta} | {row['parameters']:,} "
-                         f"| {row['tokens_per_second']:,.0f} | {row['train_seconds']:.1f} |")
+                         f"| {row['tokens_per_second']:,.0f} | {row['train_seconds']:.1f} "
+                         f"| {row['train_cpu_seconds']:.1f} |")
         lines.append("")
     return "\n".join(lines)
 
