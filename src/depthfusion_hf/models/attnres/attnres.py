@@ -183,52 +183,93 @@ def attnres_reference(
     return h.to(sources[0].dtype), alpha
 
 
-def _reference_grads(ctx, query, key_norm_weight, sources, eps, grad_h, grad_alpha):
-    """Double-backward path of the custom Functions: differentiate the reference with ``create_graph``."""
+def _reference_grads(needs: Sequence[bool], query, key_norm_weight, sources, eps, grad_h, grad_alpha):
+    """Double-backward path of the custom Function: differentiate the reference with ``create_graph``.
+
+    ``needs``: whether query, key_norm_weight and each source need a gradient. Returns one entry per input
+    (None where not needed); a source's gradient includes the path through its norm.
+    """
     inputs = [query, key_norm_weight, *sources]
-    wanted = [x for x, need in zip(inputs, ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:]) if need]
+    wanted = [x for x, need in zip(inputs, needs) if need]
     h, alpha = attnres_reference(query, sources, key_norm_weight, eps)
     outs, grads_out = [h], [grad_h if grad_h is not None else torch.zeros_like(h)]
     if grad_alpha is not None:
         outs.append(alpha)
         grads_out.append(grad_alpha.to(alpha.dtype))
     found = iter(torch.autograd.grad(outs, wanted, grads_out, create_graph=True, allow_unused=True))
-    return [next(found) if need else None for need in ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:]]
+    return [next(found) if need else None for need in needs]
+
+
+class _InvRms(torch.autograd.Function):
+    """``r = rsqrt(mean(v ** 2, -1) + eps)`` [B, T] (compute dtype) of one source [B, T, D], one read each way."""
+
+    @staticmethod
+    def forward(ctx, source, eps):  # noqa: D102
+        x = source.detach().to(torch.promote_types(source.dtype, torch.float32))
+        r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square_().div_(x.shape[-1]).add_(eps))
+        ctx.save_for_backward(source, r)
+        return r
+
+    @staticmethod
+    def backward(ctx, grad_r):  # noqa: D102
+        source, r = ctx.saved_tensors
+        coef = grad_r * r.pow(3) / (-source.shape[-1])  # dr/dv = -r^3 v / D; differentiable (double backward)
+        return (source.to(r.dtype) * coef.unsqueeze(-1)).to(source.dtype), None
+
+
+def source_inv_rms(source: torch.Tensor, eps: float) -> torch.Tensor:
+    """The inverse RMS norm of a source, to compute once and pass to every call that reads it.
+
+    Args:
+        source: [B, T, D] floating. eps: the calls' RMSNorm epsilon.
+    Returns:
+        ``rsqrt(mean(source ** 2, -1) + eps)`` [B, T] in float32 (float64 for float64 sources), differentiable.
+    """
+    return _InvRms.apply(source, eps)
 
 
 class _AttentionResidual(torch.autograd.Function):
-    """The torch backend over a list of sources (inputs: query, key_norm_weight, eps, *sources).
+    """The torch backend over a list of sources (inputs: query, key_norm_weight, eps, N, *sources, *inv_rms).
 
-    Forward: per source one matrix-vector product (the logit numerator ``(w * g) . v``) and one norm,
+    ``inv_rms`` is empty (the norms are computed here) or holds each source's inverse norm
+    ``r_i = rsqrt(mean(v_i^2) + eps)`` [B, T] from :func:`source_inv_rms` (computed once per source by a
+    model whose calls share sources): the gradient through the norm then goes to ``r_i`` ([B, T], summed
+    by autograd over the calls) instead of to ``v_i`` once per call.
+
+    Forward: per source one matrix-vector product (``p_i = (w * g) . v_i``; logit ``s_i = r_i p_i``),
     an fp32 softmax over the [B, T, N] logits, then ``h = sum_i alpha_i v_i`` accumulated into one
-    buffer. Saved: references to the inputs, and alpha, the logits s and the inverse norms r ([B, T, N] each).
+    buffer. Saved: references to the inputs, and alpha, p and r ([B, T, N] each).
 
-    Backward (per token, ``s_i = r_i (u . v_i)``, ``u = w * g``, ``delta = sum_j alpha_j dalpha_j``):
+    Backward (per token, ``u = w * g``, ``delta = sum_j alpha_j dalpha_j``):
     ``dalpha_i = dh . v_i (+ d alpha_i)``, ``ds_i = alpha_i (dalpha_i - delta)``,
-    ``dv_i = alpha_i dh + ds_i r_i u - ds_i s_i r_i^2 v_i / D``, ``du = sum_tokens sum_i ds_i r_i v_i``,
-    ``dw = du * g``, ``dg = du * w``.
+    ``dv_i = alpha_i dh + ds_i r_i u`` (+ ``- ds_i p_i r_i^3 v_i / D`` when the norm is computed here),
+    ``dr_i = ds_i p_i``, ``du = sum_tokens sum_i ds_i r_i v_i``, ``dw = du * g``, ``dg = du * w``.
     """
 
     @staticmethod
-    def forward(ctx, query, key_norm_weight, eps, *sources):  # noqa: D102
+    def forward(ctx, query, key_norm_weight, eps, n_src, *tensors):  # noqa: D102
+        sources, given_rms = tensors[:n_src], tensors[n_src:]
         dtype = sources[0].dtype
         cd = compute_dtype(dtype, query, key_norm_weight)
         u = query.detach().to(cd) * key_norm_weight.detach().to(cd)
         dim = sources[0].shape[-1]
-        logits, inv_rms = [], []
-        for v in sources:
+        dots, inv_rms = [], []
+        for i, v in enumerate(sources):
             x = v.detach().to(cd)
-            r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square_().div_(dim).add_(eps))
-            logits.append(torch.matmul(x, u).mul_(r))
+            if given_rms:
+                r = given_rms[i].detach()
+            else:
+                r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square_().div_(dim).add_(eps))
+            dots.append(torch.matmul(x, u))
             inv_rms.append(r)
-        logits = torch.stack(logits, dim=-1)
-        alpha = torch.softmax(logits, dim=-1)
+        dots, inv_rms = torch.stack(dots, dim=-1), torch.stack(inv_rms, dim=-1)
+        alpha = torch.softmax(dots * inv_rms, dim=-1)
         h = torch.mul(sources[0].detach().to(cd), alpha[..., 0:1])
         for i in range(1, len(sources)):
             h.addcmul_(sources[i].detach(), alpha[..., i : i + 1])
-        ctx.eps, ctx.device_type = eps, sources[0].device.type
+        ctx.eps, ctx.device_type, ctx.n_src, ctx.given_rms = eps, sources[0].device.type, n_src, bool(given_rms)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(query, key_norm_weight, alpha, logits, torch.stack(inv_rms, dim=-1), *sources)
+        ctx.save_for_backward(query, key_norm_weight, alpha, dots, inv_rms, *sources)
         return h.to(dtype), alpha
 
     @staticmethod
@@ -238,13 +279,17 @@ class _AttentionResidual(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_h, grad_alpha):
-        query, key_norm_weight, alpha, logits, inv_rms, *sources = ctx.saved_tensors
-        n_src = len(sources)
+        query, key_norm_weight, alpha, dots, inv_rms, *sources = ctx.saved_tensors
+        n_src = ctx.n_src
+        need_src = ctx.needs_input_grad[4 : 4 + n_src]
+        need_rms = ctx.needs_input_grad[4 + n_src :] if ctx.given_rms else ()
+        no_rms = [None] * len(need_rms)
         if grad_h is None and grad_alpha is None:
-            return (None, None, None, *([None] * n_src))
-        if torch.is_grad_enabled():
-            d_q, d_g, *d_src = _reference_grads(ctx, query, key_norm_weight, sources, ctx.eps, grad_h, grad_alpha)
-            return (d_q, d_g, None, *d_src)
+            return (None, None, None, None, *([None] * n_src), *no_rms)
+        if torch.is_grad_enabled():  # create_graph: differentiate the reference (norm path into the sources)
+            d_q, d_g, *d_src = _reference_grads(ctx.needs_input_grad[:2] + need_src, query, key_norm_weight,
+                                                sources, ctx.eps, grad_h, grad_alpha)
+            return (d_q, d_g, None, None, *d_src, *no_rms)
         cd = alpha.dtype
         dim = sources[0].shape[-1]
         w, g = query.to(cd), key_norm_weight.to(cd)
@@ -252,8 +297,9 @@ class _AttentionResidual(torch.autograd.Function):
         dh = grad_h.to(cd) if grad_h is not None else None
         d_alpha = torch.zeros_like(alpha) if grad_alpha is None else grad_alpha.to(cd).clone()
         if dh is not None:
+            scratch = torch.empty(dh.shape, dtype=cd, device=dh.device)  # one product buffer for all N dot products
             for i, v in enumerate(sources):
-                d_alpha[..., i] += torch.linalg.vecdot(dh, v.to(cd))
+                d_alpha[..., i] += torch.mul(dh, v, out=scratch).sum(dim=-1)
         delta = (alpha * d_alpha).sum(dim=-1, keepdim=True)
         ds = alpha * (d_alpha - delta)  # [B, T, N]: gradient of the logits
         coef_u = ds * inv_rms  # ds_i r_i
@@ -261,26 +307,26 @@ class _AttentionResidual(torch.autograd.Function):
         du = torch.zeros(dim, dtype=cd, device=alpha.device) if need_u else None
         grad_sources: list[torch.Tensor | None] = []
         for i, v in enumerate(sources):
-            need_v = ctx.needs_input_grad[3 + i]
-            if not (need_v or need_u):
+            if not (need_src[i] or need_u):
                 grad_sources.append(None)
                 continue
             x = v.to(cd)
             c_u = coef_u[..., i]
             if need_u:
                 du += torch.matmul(c_u.reshape(1, -1), x.reshape(-1, dim)).squeeze(0)
-            if not need_v:
+            if not need_src[i]:
                 grad_sources.append(None)
                 continue
-            c_v = -(c_u * logits[..., i] * inv_rms[..., i]) / dim  # -ds_i s_i r_i^2 / D
-            dv = torch.mul(c_u.unsqueeze(-1), u)
-            dv.addcmul_(x, c_v.unsqueeze(-1))
+            dv = torch.outer(c_u.reshape(-1), u).view(v.shape)  # ds_i r_i u, a fresh contiguous buffer
+            if not (ctx.given_rms and need_rms[i]):  # the norm's gradient goes to v_i here
+                dv.addcmul_(x, (c_u * dots[..., i] * inv_rms[..., i].square() / (-dim)).unsqueeze(-1))
             if dh is not None:
                 dv.addcmul_(dh, alpha[..., i : i + 1])
             grad_sources.append(dv.to(v.dtype))
+        grad_rms = [(ds[..., i] * dots[..., i]).to(inv_rms.dtype) if need else None for i, need in enumerate(need_rms)]
         d_q = (du * g).to(query.dtype) if ctx.needs_input_grad[0] else None
         d_g = (du * w).to(key_norm_weight.dtype) if ctx.needs_input_grad[1] else None
-        return (d_q, d_g, None, *grad_sources)
+        return (d_q, d_g, None, None, *grad_sources, *grad_rms)
 
 
 def _attnres_small(
@@ -298,8 +344,34 @@ def _attnres_small(
     return h.to(dtype), alpha
 
 
-def attnres_torch(
+def _attnres_small_no_grad(
     query: torch.Tensor, sources: Sequence[torch.Tensor], key_norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The small path without autograd (decoding): the same math in the fewest kernels (two batched products).
+
+    Called with autocast disabled (by :func:`attnres_torch`), so the products run in the compute dtype.
+    """
+    dtype = sources[0].dtype
+    cd = compute_dtype(dtype, query, key_norm_weight)
+    x = torch.stack(tuple(sources), dim=-2).to(cd)  # [B, T, N, D]
+    u = query.to(cd) * key_norm_weight.to(cd)
+    alpha = torch.softmax(torch.matmul(x, u).mul_(torch.rsqrt(x.square().mean(dim=-1).add_(eps))), dim=-1)
+    h = torch.matmul(alpha.unsqueeze(-2), x).squeeze(-2)
+    return h.to(dtype), alpha
+
+
+def _needs_grad(query, sources, key_norm_weight) -> bool:
+    return torch.is_grad_enabled() and (
+        query.requires_grad or key_norm_weight.requires_grad or any(v.requires_grad for v in sources)
+    )
+
+
+def attnres_torch(
+    query: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    key_norm_weight: torch.Tensor,
+    eps: float,
+    inv_rms: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The efficient PyTorch backend (:class:`_AttentionResidual`, or the stacked path for small sources).
 
@@ -307,14 +379,34 @@ def attnres_torch(
 
     Args:
         query: [D]. sources: N tensors [B, T, D]. key_norm_weight: [D]. eps: RMSNorm epsilon.
+        inv_rms: optional, N tensors [B, T]: ``source_inv_rms(sources[i], eps)`` (computed once per source
+            by a caller whose calls share sources); the stacked small path recomputes them instead.
     Returns:
         ``(h, alpha)`` as :func:`attnres_reference`.
     """
-    # Under autocast the logit and mixing products would run in half precision: the op keeps its fp32 math.
-    with torch.autocast(device_type=sources[0].device.type, enabled=False):
-        if sources[0].numel() <= SMALL_NUMEL:
+    device_type = sources[0].device.type
+    if torch.is_autocast_enabled(device_type):  # products in half precision: the op keeps its fp32 math
+        with torch.autocast(device_type=device_type, enabled=False):
+            return attnres_torch(query, sources, key_norm_weight, eps, inv_rms)
+    if sources[0].numel() <= SMALL_NUMEL:
+        if _needs_grad(query, sources, key_norm_weight):
             return _attnres_small(query, sources, key_norm_weight, eps)
-        return _AttentionResidual.apply(query, key_norm_weight, eps, *sources)
+        return _attnres_small_no_grad(query, sources, key_norm_weight, eps)
+    rms = tuple(inv_rms) if inv_rms is not None else ()
+    return _AttentionResidual.apply(query, key_norm_weight, eps, len(sources), *sources, *rms)
+
+
+def caches_source_norms(backend: str, source: torch.Tensor) -> bool:
+    """Whether a caller whose calls share sources should pass ``inv_rms`` (:func:`source_inv_rms` per source).
+
+    Only the torch backend's list path uses them (the other paths recompute the norms): backend ``"torch"``,
+    sources of more than ``SMALL_NUMEL`` elements, gradients enabled (without gradients the norms cost the
+    same computed per call, and nothing is saved for a backward).
+
+    Args:
+        backend: a resolved backend. source: one source [B, T, D] (all share its shape).
+    """
+    return backend == "torch" and torch.is_grad_enabled() and source.numel() > SMALL_NUMEL
 
 
 def _route(backend: str, sources: Sequence[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor) -> str:
@@ -335,6 +427,7 @@ def attention_residual_with_backend(
     eps: float,
     return_weights: bool,
     backend: str,
+    inv_rms: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run an already resolved backend on already validated inputs (the model's per-call fast path).
 
@@ -343,6 +436,9 @@ def attention_residual_with_backend(
         eps: RMSNorm epsilon. return_weights: also return alpha.
         backend: ``"reference"``, ``"torch"`` or ``"triton"`` (from :func:`resolve_backend`); float64
             work asked of ``"triton"`` runs on ``"torch"``.
+        inv_rms: optional, N tensors [B, T], ``source_inv_rms(sources[i], eps)`` of each source, computed once
+            by a caller whose calls share sources (the torch backend then skips the norms and sends their
+            gradient through ``inv_rms``); the other backends recompute the norms and ignore it.
     Returns:
         h [B, T, D] in the sources' dtype, or ``(h, alpha)`` with alpha [B, T, N] float32 (float64 for
         float64 inputs).
@@ -353,7 +449,7 @@ def attention_residual_with_backend(
     elif backend == "triton":
         h, alpha = triton_attention_residual(query, list(sources), key_norm_weight, eps)
     else:
-        h, alpha = attnres_torch(query, sources, key_norm_weight, eps)
+        h, alpha = attnres_torch(query, sources, key_norm_weight, eps, inv_rms)
     return (h, alpha) if return_weights else h
 
 
@@ -397,6 +493,8 @@ __all__ = [
     "attention_residual_with_backend",
     "attnres_reference",
     "attnres_torch",
+    "caches_source_norms",
     "check_attnres_inputs",
     "resolve_backend",
+    "source_inv_rms",
 ]

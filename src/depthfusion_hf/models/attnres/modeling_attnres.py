@@ -50,7 +50,13 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .attnres import attention_residual, attention_residual_with_backend, resolve_backend
+from .attnres import (
+    attention_residual,
+    attention_residual_with_backend,
+    caches_source_norms,
+    resolve_backend,
+    source_inv_rms,
+)
 from .configuration_attnres import AttnResConfig
 
 
@@ -68,6 +74,14 @@ def add_to_depth_state(
     return (*sources[:-1], sources[-1] + output)
 
 
+def add_to_norm_state(
+    inv_rms: tuple[torch.Tensor, ...], sources: tuple[torch.Tensor, ...], new_block: bool, eps: float
+) -> tuple[torch.Tensor, ...]:
+    """The sources' inverse norms after :func:`add_to_depth_state` gave ``sources``: the last one is new."""
+    last = source_inv_rms(sources[-1], eps)
+    return (*inv_rms, last) if new_block else (*inv_rms[:-1], last)
+
+
 class AttnResForwardState:
     """Per-forward bookkeeping the decoder layers share: the op backend resolved once per device, and (when
     asked) the list the layers append every AttnRes call's softmax weights to.
@@ -79,6 +93,9 @@ class AttnResForwardState:
     def __init__(self, record_weights: bool = False):
         self.backends: dict[torch.device, str] = {}
         self.depth_weights: list[torch.Tensor] | None = [] if record_weights else None
+        # Whether the layers carry each source's inverse norm next to it (computed once per source, not per
+        # call; see ``caches_source_norms``); set by the model forward, once.
+        self.cache_norms = False
 
     def backend(self, device: torch.device) -> str:
         """The op backend for ``device``, resolved on first use (``$DEPTHFUSION_BACKEND`` or automatic)."""
@@ -136,6 +153,7 @@ class AttnResMix(nn.Module):
         sources: tuple[torch.Tensor, ...],
         backend: str | None = None,
         return_weights: bool = False,
+        inv_rms: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Mix ``sources`` (N tensors [B, T, D]) into h [B, T, D] (and alpha [B, T, N] float32 if asked).
 
@@ -143,12 +161,13 @@ class AttnResMix(nn.Module):
             backend: a backend already resolved by ``resolve_backend`` (the model resolves once per forward
                 and device); None validates and resolves like the public op.
             return_weights: also return the softmax weights alpha.
+            inv_rms: with a resolved backend, optionally ``source_inv_rms`` of each source ([B, T] each).
         """
         if backend is None:
             return attention_residual(self.query, sources, self.key_norm_weight, eps=self.eps,
                                       return_weights=return_weights)
         return attention_residual_with_backend(self.query, sources, self.key_norm_weight, self.eps, return_weights,
-                                               backend)
+                                               backend, inv_rms)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.query.numel()}, eps={self.eps}"
@@ -189,15 +208,19 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         Args:
             hidden_states: h, the attention sub-layer's input [B, T, D] (the previous layer's output).
             sources: the depth state h was mixed from, each [B, T, D] (positional, so that reentrant
-                gradient checkpointing passes their gradients).
+                gradient checkpointing passes their gradients); when ``attnres_state.cache_norms``, followed
+                by their inverse norms ``source_inv_rms`` ([B, T] each, as many as sources).
             attnres_state: the model forward's shared state (resolved backends, the softmax-weight record);
                 None (a layer called on its own) lets the public op validate and resolve.
         Returns:
             ``(output, *new_sources)``: the layer output [B, T, D] (the next layer's input, or h_final) and the
-            depth state grown by this layer's two sub-layer outputs.
+            depth state grown by this layer's two sub-layer outputs (then their inverse norms, when cached).
         """
         backend = attnres_state.backend(hidden_states.device) if attnres_state is not None else None
         record = attnres_state.depth_weights if attnres_state is not None else None
+        norms = None
+        if attnres_state is not None and attnres_state.cache_norms:
+            sources, norms = sources[: len(sources) // 2], sources[len(sources) // 2 :]
         attn_out, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -208,18 +231,23 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             **kwargs,
         )
         sources = add_to_depth_state(sources, attn_out, self.attn_starts_block)
-        hidden_states = self._mix(self.mlp_res, sources, backend, record)  # differs from Llama: residual + attn_out
+        if norms is not None:
+            norms = add_to_norm_state(norms, sources, self.attn_starts_block, self.mlp_res.eps)
+        hidden_states = self._mix(self.mlp_res, sources, backend, record, norms)  # differs from Llama: + attn_out
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
         sources = add_to_depth_state(sources, mlp_out, self.mlp_starts_block)
-        hidden_states = self._mix(self.output_res, sources, backend, record)  # differs from Llama: residual + mlp_out
-        return (hidden_states, *sources)
+        if norms is not None:
+            norms = add_to_norm_state(norms, sources, self.mlp_starts_block, self.output_res.eps)
+        hidden_states = self._mix(self.output_res, sources, backend, record, norms)  # differs from Llama: + mlp_out
+        return (hidden_states, *sources, *(norms or ()))
 
     @staticmethod
-    def _mix(mix: AttnResMix, sources, backend: str | None, record: list[torch.Tensor] | None) -> torch.Tensor:
+    def _mix(mix: AttnResMix, sources, backend: str | None, record: list[torch.Tensor] | None,
+             norms: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
         """Run one AttnRes call; append its softmax weights to ``record`` when it is a list."""
         if record is None:
-            return mix(sources, backend)
-        hidden, alpha = mix(sources, backend, return_weights=True)
+            return mix(sources, backend, inv_rms=norms)
+        hidden, alpha = mix(sources, backend, return_weights=True, inv_rms=norms)
         record.append(alpha)
         return hidden
 
@@ -340,10 +368,14 @@ class AttnResModel(AttnResPreTrainedModel):
         sources: tuple[torch.Tensor, ...] = (inputs_embeds,)
         # backends resolved once per device and forward (not per AttnRes call); the softmax weights if asked
         state = AttnResForwardState(record_weights=output_depth_weights)
+        # Each source's inverse norm computed once (when written) and passed to every call reading it.
+        state.cache_norms = caches_source_norms(state.backend(inputs_embeds.device), inputs_embeds)
+        norms = (source_inv_rms(inputs_embeds, self.config.rms_norm_eps),) if state.cache_norms else ()
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states, *sources = decoder_layer(
+            hidden_states, *depth = decoder_layer(
                 hidden_states,
                 *sources,
+                *norms,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
@@ -352,6 +384,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 attnres_state=state,
                 **kwargs,
             )
+            sources, norms = (depth[: len(depth) // 2], depth[len(depth) // 2 :]) if state.cache_norms else (depth, ())
 
         hidden_states = self.norm(hidden_states)
         return AttnResModelOutputWithPast(
