@@ -139,7 +139,8 @@ SAME_FUNCTION = [("moda", "moda-before"), ("moda-noffn", "moda-before-noffn"), (
                  ("moda-before-ckpt", "moda-before"), ("llama-ckpt", "llama")]
 
 
-def check_same_function(models: dict[str, torch.nn.Module], batch: dict[str, torch.Tensor]) -> dict[str, dict]:
+def check_same_function(models: dict[str, torch.nn.Module], batch: dict[str, torch.Tensor],
+                        pairs=SAME_FUNCTION) -> dict[str, dict]:
     """Pairs of models with the same weights and the same function give the same loss and gradients.
 
     Gates (fp32): the two paths differ only in the order of floating-point sums (the depth stream forms
@@ -150,7 +151,7 @@ def check_same_function(models: dict[str, torch.nn.Module], batch: dict[str, tor
     Raises AssertionError when a gate is exceeded.
     """
     measured = {}
-    for a, b in SAME_FUNCTION:
+    for a, b in pairs:
         if a not in models or b not in models:
             continue
         out = {}
