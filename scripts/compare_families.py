@@ -17,18 +17,26 @@ Model specs (``--models``, comma-separated; ``llama`` must be one):
     llama | denseformer[:KxP] | moda[:no-ffn-kv][+post-norm] | attnres[:full|:blockS]
     | <any registry family>:field=value+field=value
 
-Default invocation (``configs/clm_narrow.json``: width 64, 2 heads; llama, DenseFormer 1x1 and 4x5, MoDA,
-AttnRes block 8; seeds 0 1; 6 and 12 layers; King James Bible; 200 steps of batch 8 x 128 tokens; 20 runs):
+Default invocation (``configs/clm_narrow.json``: width 64, 2 query / 1 KV heads; llama, DenseFormer 1x1 and
+4x5, MoDA, AttnRes block 8; seeds 0 1; 6 and 12 layers; King James Bible, 2,048-token BPE; 200 steps of batch
+8 x 128 tokens, evaluation every 25 steps on 32 validation blocks; 20 runs):
     python scripts/compare_families.py
-about 35-40 min on the 2-core machine, estimated from step times measured while other jobs loaded it (load
-average 7): 0.45 s/step at 6 layers, 0.55 s at 12, 0.85 s at 24 (all five models within ±30 %), plus one
-evaluation every 25 steps and about 1 min of tokenizer training.
+estimated 25-40 min on the 2-core machine. Measured under load (other jobs running, load average 6-8 on the
+2 cores; 20-step probe runs): training s/step at 6 layers 0.17-0.31 (all five models), at 12 layers
+0.22-0.63, at 24 layers 0.69-1.23 (MoDA the slowest), with swings of up to 3x between identical runs from the
+other jobs; plus about 7 % for the evaluations, 2-3 s per run to build and save, and 25 s to load the corpus
+and train the tokenizer. So about 3.4 s per step for the ten runs of one seed -> 2 x 200 x 3.4 s = 23 min, and
+up to 40 min when the load is heavier.
 
 The issue's main study (``--study``): the Bible at 6, 12 and 24 layers and the plays at 12 layers, seeds 0 1 2,
 the same five models, 200 steps each (60 runs), into ``<output_dir>/kjv`` and ``<output_dir>/plays``:
     nice -n 10 python scripts/compare_families.py --study --output_dir outputs/family_study
-about 2 h of the 2 cores under the same load (about 34 s per step of all 15 runs of one depth-set and seed
-group x 200 steps, plus evaluation); rerun the same command after an interruption.
+estimated 1 h 50 min of the 2 cores from the same measurements (about 9.7 s per step for the 20 runs of one
+seed, x 200 steps x 3 seeds, plus evaluation and set-up), up to about 2 h 30 min under heavier load; rerun the
+same command after an interruption (finished runs are kept). On a shared machine add ``--clock cpu`` (or rerun
+with ``--report_only --clock cpu``): the equal-time comparison then uses each process's CPU time, which the
+other jobs disturb far less than the wall clock. The plays corpus is fetched once by ``scripts/setup.sh`` (or on
+first use) with pip.
 
 Paper-scale (a GPU; DenseFormer's and MoDA's effects are reported at 24-48 layers and far more tokens):
     python scripts/compare_families.py --config configs/clm_small.json --layers 12 24 48 --seeds 0 1 2 \\

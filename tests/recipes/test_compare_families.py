@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from depthfusion_hf.data import plays
 from depthfusion_hf.data.corpus import load_documents, load_kjv_chapters
@@ -241,3 +242,20 @@ def test_compare_families_runs_resumes_and_reports(tmp_path, monkeypatch, capsys
     other[other.index("--max_steps") + 1] = "7"
     with pytest.raises(SettingsMismatch, match=r"differing: \['train.max_steps'\]"):
         script.main(other)
+
+
+@pytest.mark.parametrize("text", ["denseformer:1x1", "denseformer:2x2", "moda", "attnres:block2", "attnres:full"])
+def test_same_seed_family_model_starts_from_the_llama_weights(text):
+    from depthfusion_hf.recipes.study import build_seeded_pair
+
+    arch = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "vocab_size": 64, "tie_word_embeddings": True}
+    llama, _ = build_seeded_pair(parse_model_spec("llama"), arch, 3, seed=7, tokenizer=None)
+    model, init = build_seeded_pair(parse_model_spec(text), arch, 3, seed=7, tokenizer=None)
+    assert init == "shared" and model.config.num_hidden_layers == 3
+    own = model.state_dict()
+    for name, tensor in llama.state_dict().items():
+        assert torch.equal(own[name], tensor), name  # copied, bit for bit
+    assert set(own) > set(llama.state_dict())  # plus the family's new weights
+    other, _ = build_seeded_pair(parse_model_spec("llama"), arch, 3, seed=8, tokenizer=None)
+    assert not torch.equal(other.model.embed_tokens.weight, llama.model.embed_tokens.weight)
