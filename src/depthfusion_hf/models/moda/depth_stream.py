@@ -322,9 +322,11 @@ class DepthStream:
         """The attention on CPU (fp32 / fp64) without autograd: ``(out [B, Hq, T, d], saved)``.
 
         Exact merge of the sequence pool (SDPA's flash kernel: output ``o_s`` and log-sum-exp ``lse_s``)
-        with the depth pool: ``lse = logaddexp(lse_s, logsumexp(l))``, ``out = exp(lse_s - lse) o_s +
-        sum_m exp(l_m - lse) v_m``. With ``reader`` (entries need gradients) the probabilities and the
-        queries are kept in the stream's product buffers for the writers' backward.
+        with the depth logits ``l``: with ``Z = exp(lse_s) + sum_m exp(l_m)``, ``out = exp(lse_s) / Z o_s +
+        sum_m exp(l_m) / Z v_m`` (computed relative to the row maximum). The window is copied to
+        contiguous [N, M, d] blocks first: CPU ``bmm`` on the strided slots copies them anyway and then
+        runs several times slower in the other orientation. With ``reader`` (entries need gradients) the
+        probabilities and the queries are kept in the stream's product buffers for the writers' backward.
         """
         batch, num_q_heads, q_len, head_dim = q.shape
         num_kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -342,26 +344,26 @@ class DepthStream:
             return out_seq, saved
         tokens = batch * num_kv_heads * q_len
         depth_k, depth_v = self.window(start, stop)
-        keys3 = depth_k.reshape(tokens, num_entries, head_dim)  # (N, M, d): a view of the strided slots
-        values3 = depth_v.reshape(tokens, num_entries, head_dim)
+        keys3 = depth_k.reshape(tokens, num_entries, head_dim).contiguous()  # (N, M, d)
+        values3 = depth_v.reshape(tokens, num_entries, head_dim).contiguous()
         q_rows = _to_rows(q, num_kv_heads)  # (N, G, d)
-        logits = torch.bmm(keys3, q_rows.transpose(1, 2)).mul_(scale)  # (N, M, G)
+        logits = torch.bmm(q_rows, keys3.transpose(1, 2)).mul_(scale)  # (N, G, M)
         lse_rows = _to_rows(lse_seq.to(logits.dtype).unsqueeze(-1), num_kv_heads).squeeze(-1)  # (N, G)
         # One softmax over [sequence pool | depth entries], normalised by the row maximum (finite: M >= 1);
         # a sequence pool with no visible key has lse -inf and weight exactly 0.
-        row_max = torch.maximum(lse_rows, logits.amax(dim=1))  # (N, G)
-        probs = torch.exp(logits.sub_(row_max.unsqueeze(1)))  # (N, M, G), unnormalised
+        row_max = torch.maximum(lse_rows, logits.amax(dim=-1))  # (N, G)
+        probs = torch.exp(logits.sub_(row_max.unsqueeze(-1)))  # (N, G, M), unnormalised
         seq_weight = torch.exp(lse_rows - row_max)  # (N, G)
-        total = probs.sum(dim=1).add_(seq_weight)  # >= 1
+        total = probs.sum(dim=-1).add_(seq_weight)  # >= 1
         alpha = seq_weight.div_(total)  # (N, G): the sequence pool's share
-        probs = probs.div_(total.unsqueeze(1))  # (N, M, G)
-        out_rows = torch.baddbmm(alpha.unsqueeze(-1) * _to_rows(out_seq, num_kv_heads), probs.transpose(1, 2), values3)
+        probs = probs.div_(total.unsqueeze(-1))  # (N, G, M)
+        out_rows = torch.baddbmm(alpha.unsqueeze(-1) * _to_rows(out_seq, num_kv_heads), probs, values3)
         out = _from_rows(out_rows, batch, num_kv_heads, q_len)  # (B, Hq, T, d)
         if reader is not None:
             rows = slice(reader * group, (reader + 1) * group)
             shape = (tokens, self.num_readers * group)
             self._product_buffer("q", (*shape, head_dim), q)[:, rows] = q_rows
-            self._product_buffer("P", (tokens, self.capacity, shape[1]), q)[:, start:stop, rows] = probs
+            self._product_buffer("P", (tokens, self.capacity, shape[1]), q)[:, start:stop, rows] = probs.transpose(1, 2)
         saved = (q, k, v, out, lse_kernel, alpha, mask, is_causal, scale, probs)
         return out, saved
 
@@ -376,27 +378,27 @@ class DepthStream:
             grads = _FLASH_CPU_BACKWARD(grad_out.contiguous(), q, k, v, out, lse_kernel, 0.0, is_causal,
                                         attn_mask=mask, scale=scale)
             return tuple(g if need else None for g, need in zip(grads, needs))
-        probs = saved[9]  # (N, M, G)
-        tokens, num_entries = probs.shape[0], probs.shape[1]
+        probs = saved[9]  # (N, G, M)
+        tokens, num_entries = probs.shape[0], probs.shape[2]
         grad_rows = _to_rows(grad_out, num_kv_heads)  # (N, G, d)
         grad_seq = _from_rows(alpha.unsqueeze(-1) * grad_rows, batch, num_kv_heads, q_len)
         grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(grad_seq, q, k, v, out, lse_kernel, 0.0, is_causal,
                                                      attn_mask=mask, scale=scale)
         depth_k, depth_v = self.window(start, stop)
-        keys3 = depth_k.reshape(tokens, num_entries, head_dim)
-        values3 = depth_v.reshape(tokens, num_entries, head_dim)
+        values3 = depth_v.reshape(tokens, num_entries, head_dim).contiguous()  # (N, M, d), see fast_forward
         delta = (grad_rows * _to_rows(out, num_kv_heads)).sum(dim=-1)  # D = rowsum(dO * out), (N, G)
-        grad_probs = torch.bmm(values3, grad_rows.transpose(1, 2))  # (N, M, G)
-        grad_logits = grad_probs.sub_(delta.unsqueeze(1)).mul_(probs).mul_(scale)  # dS = P (dP - D) scale
+        grad_probs = torch.bmm(grad_rows, values3.transpose(1, 2))  # (N, G, M)
+        grad_logits = grad_probs.sub_(delta.unsqueeze(-1)).mul_(probs).mul_(scale)  # dS = P (dP - D) scale
         if needs[0]:
-            grad_q_rows = torch.bmm(grad_logits.transpose(1, 2), keys3)  # (N, G, d)
+            keys3 = depth_k.reshape(tokens, num_entries, head_dim).contiguous()
+            grad_q_rows = torch.bmm(grad_logits, keys3)  # (N, G, d)
             grad_q = grad_q + _from_rows(grad_q_rows, batch, num_kv_heads, q_len)
         if reader is not None:
             rows = slice(reader * group, (reader + 1) * group)
             shape = (tokens, self.num_readers * group)
             self._product_buffer("dO", (*shape, head_dim), grad_rows)[:, rows] = grad_rows
             self._product_buffer("dS", (tokens, self.capacity, shape[1]), grad_rows)[
-                :, start:stop, rows] = grad_logits
+                :, start:stop, rows] = grad_logits.transpose(1, 2)
             self._queue_reset()
         grads = (grad_q, grad_k, grad_v)
         return tuple(g if need else None for g, need in zip(grads, needs))
