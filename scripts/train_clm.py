@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+from transformers import AutoTokenizer, set_seed
 
 from depthfusion_hf.data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer
 from depthfusion_hf.families import FAMILIES, causal_lm_families
@@ -44,7 +44,6 @@ from depthfusion_hf.recipes.clm import (
     load_arch,
     results_table,
     run_name,
-    sharded_training,
     train_one,
 )
 from depthfusion_hf.safe_folder import check_target
@@ -153,13 +152,15 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(args.seed)
     model = build_model(args.model, tokenizer=tokenizer, init_from=args.init_from, config=config, **kwargs)
     name = run_name(model.config)
-    runs = [train_one(name, model, train, val, out / args.model, settings, tokenizer, resume)]
     plot = FAMILIES[args.model].analysis_plot
-    if plot is not None and main_process:
-        # Under FSDP / DeepSpeed the in-memory parameters may be shards: plot from the saved (gathered) model.
-        trained = AutoModelForCausalLM.from_pretrained(out / args.model / "final") if sharded_training() else model
+
+    def analyse(trained) -> None:
+        # `trained` is unsharded (under FSDP / DeepSpeed the gathered copy), so no rank waits on a collective here.
         figure = plot(trained, out, torch.tensor(val[0]["input_ids"])[None], f"{name}, {args.max_steps} steps")
         print(f"{FAMILIES[args.model].title} analysis plot: {figure}")
+
+    runs = [train_one(name, model, train, val, out / args.model, settings, tokenizer, resume,
+                      analyse=analyse if plot is not None else None)]
     if not args.no_baseline:
         set_seed(args.seed)
         base_arch = baseline_arch(model)

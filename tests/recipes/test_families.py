@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import warnings
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,23 @@ def test_family_config_file_fields_and_cli_overrides():
     defaults = clm.build_config("moda", clm.load_arch(REPO / "configs" / "clm_tiny.json"),
                                 **clm.family_kwargs("moda", parser.parse_args(["--no-moda_ffn_kv"])))
     assert (defaults.moda_ffn_kv, defaults.norm_position) == (False, "pre")
+
+
+def test_an_fsdp_launch_that_runs_without_fsdp_is_reported(monkeypatch):
+    """accelerate drops an FSDP config on CPU-only machines; the recipe says so instead of staying silent."""
+
+    class Trainer:
+        is_fsdp_enabled = False
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.warns(UserWarning, match="runs without FSDP"):
+        clm.warn_if_sharding_dropped(Trainer())
+    Trainer.is_fsdp_enabled = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clm.warn_if_sharding_dropped(Trainer())
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    Trainer.is_fsdp_enabled = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clm.warn_if_sharding_dropped(Trainer())

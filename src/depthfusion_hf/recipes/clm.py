@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -246,6 +247,7 @@ def train_one(
     tokenizer=None,
     resume_from_checkpoint: str | bool | None = None,
     trainer_class: Callable[..., Trainer] = DepthFusionTrainer,
+    analyse: Callable[[PreTrainedModel], object] | None = None,
 ) -> RunResult:
     """Train ``model`` with the ``Trainer``, evaluate it, and save a remote-code folder to ``output_dir/final``.
 
@@ -253,9 +255,12 @@ def train_one(
     ``remote_code.save_model_folder``); check it with ``safe_folder.check_target`` before training.
     ``trainer_class`` builds the trainer from ``model``, ``args``, ``train_dataset`` and ``eval_dataset`` keywords
     (a ``DepthFusionTrainer`` subclass or a ``functools.partial`` adding callbacks; see ``recipes/study.py``).
+    ``analyse`` is called on the main process with the trained, unsharded model (under FSDP / DeepSpeed the
+    gathered copy that is saved), e.g. for the family's analysis plot.
     """
     args = training_arguments(output_dir, settings)
     trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    warn_if_sharding_dropped(trainer)
     start = time.perf_counter()
     train_output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     seconds = train_output.metrics.get("train_runtime", time.perf_counter() - start)
@@ -268,6 +273,8 @@ def train_one(
     if trainer.is_world_process_zero():
         # a remote-code folder (the Llama baseline: a plain one), marked; never replaces what we did not write
         save_model_folder(to_save, output_dir / "final", tokenizer=tokenizer)
+        if analyse is not None:
+            analyse(to_save)
     return RunResult(
         name=name,
         model_type=model.config.model_type,
@@ -279,6 +286,23 @@ def train_one(
         tokens_per_second=tokens / max(float(seconds), 1e-9),
         log_history=trainer.state.log_history,
     )
+
+
+def warn_if_sharding_dropped(trainer: Trainer) -> None:
+    """Warn when ``accelerate launch`` asked for FSDP but the Trainer runs without it.
+
+    accelerate 1.15 classifies processes without a GPU as ``MULTI_CPU`` and then drops the FSDP plugin of the
+    launch config without a word, so an FSDP config on a CPU-only machine trains with plain DDP (every rank
+    holds the whole model). The numbers are still right; the memory is not what the user asked for.
+    """
+    fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    if fsdp_asked and not trainer.is_fsdp_enabled:
+        warnings.warn(
+            "accelerate was launched with an FSDP config but the Trainer runs without FSDP (accelerate runs FSDP "
+            "configs as DDP on machines without GPUs): every rank holds the full model. Use "
+            "configs/accelerate/cpu_ddp.yaml on CPU to say so, or a GPU machine for FSDP.",
+            stacklevel=2,
+        )
 
 
 def unsharded_model(trainer: Trainer, model: PreTrainedModel) -> PreTrainedModel | None:
