@@ -1,7 +1,7 @@
 """DWAtt for token classification: any HF encoder + a layer-fusion head (arXiv 2209.15168).
 
     z_0..z_L = embedding output and each layer's output of the encoder   (N = L + 1 states, [B, T, D])
-    h        = fusion(z_0..z_L)         "dwatt" | "concat" | "deeper" | "last" (h = z_L)
+    h        = fusion(z_0..z_L)         "dwatt" | "concat" | "deeper" | "last" (h = z_L) | "last_ln" (h = LN(z_L))
     logits   = classifier(dropout(h))   [B, T, num_labels]
 
 The encoder is whatever ``AutoModel.from_config(config.backbone_config)`` builds, so the class it
