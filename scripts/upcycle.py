@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> str:
 
         chosen = summary["chosen_lr_scale"]
         shown = [r for r in records if r["lr_scale"] == (1.0 if r["spec"] == BASELINE else chosen[r["spec"]])]
-        plot_loss_curves(shown, out / "continued_val_loss.png", f"{title} (validation, chosen lr scales)")
+        plot_loss_curves(shown, out / "continued_val_loss.png", f"{title} (validation, chosen lr scales)",
+                         include_start=True)
     print("\n" + table, flush=True)
     return table
 

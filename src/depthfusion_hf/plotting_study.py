@@ -4,6 +4,7 @@ paired final Δ-loss against depth per family."""
 from __future__ import annotations
 
 import statistics
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,10 +29,12 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
-def plot_loss_curves(records: Sequence[dict], path: str | Path, title: str) -> Path:
+def plot_loss_curves(records: Sequence[dict], path: str | Path, title: str, include_start: bool = False) -> Path:
     """Validation loss against steps, one line per spec (mean over seeds) with a band of ± one std over seeds.
 
     ``records``: runs with ``spec``, ``seed`` and ``curve`` (``[{"step", "eval_loss"}]``), e.g. one depth's runs.
+    The y-axis covers the evaluations after step 0, or all of them with ``include_start`` (continued training,
+    where step 0 is the upcycled model).
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -46,14 +49,14 @@ def plot_loss_curves(records: Sequence[dict], path: str | Path, title: str) -> P
             means.append(mean)
             lows.append(mean - std)
             highs.append(mean + std)
-        line, = ax.plot(steps, means, label=f"{spec} ({len(curves)} seeds)")
+        line, = ax.plot(steps, means, label=f"{spec} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
         ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/token)")
-    losses = [p["eval_loss"] for r in records for p in r["curve"] if p["step"] > 0]
+    losses = [p["eval_loss"] for r in records for p in r["curve"] if include_start or p["step"] > 0]
     if losses:  # the step-0 loss (about ln V) would squash the rest
         ax.set_ylim(min(losses) - 0.05, max(losses) + 0.05)
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)
@@ -81,7 +84,7 @@ def plot_delta_vs_depth(records: Sequence[dict], path: str | Path, title: str) -
     ax.set_xlabel("layers")
     ax.set_xticks(sorted(summary))
     ax.set_ylabel("Δ val loss vs Llama (paired; < 0 is better)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)
