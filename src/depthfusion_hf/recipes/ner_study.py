@@ -356,7 +356,7 @@ def summarise_study(settings: NerStudySettings, records: list[dict]) -> dict:
                    "train_seconds_mean": statistics.mean(r["train_seconds"] for r in tests),
                    "train_cpu_seconds_mean": statistics.mean(r["train_cpu_seconds"] for r in tests)
                    if all("train_cpu_seconds" in r for r in tests) else None,
-                   "cell_seconds": sum(r["train_seconds"] + r["eval_seconds"] for r in mine)}
+                   "cell_seconds": sum(r["train_seconds"] + r["eval_seconds"] for r in chosen + tests)}
             scores = {r["seed"]: r["f1"] for r in tests}
             for baseline in BASELINES:
                 base = {r["seed"]: r["f1"] for r in records if r["phase"] == "test" and r["size"] == size.label
