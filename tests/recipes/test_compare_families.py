@@ -49,6 +49,12 @@ def test_model_specs_are_read_from_the_registry():
     generic = parse_model_spec("denseformer:dwa_dilation=2+dwa_period=3")
     assert (generic.kind, generic.fields) == ("denseformer", {"dwa_dilation": 2, "dwa_period": 3})
     assert parse_model_spec("llama").is_baseline
+    # an option of the registry's from_llama (MoDA's FFN-side K/V init) is accepted, for upcycling only
+    assert parse_model_spec("moda:ffn_kv_init=copy_kv").fields == {"ffn_kv_init": "copy_kv"}
+    from depthfusion_hf.recipes.study import build_seeded_pair
+
+    with pytest.raises(ValueError, match=r"\['ffn_kv_init'\] apply to upcycling only"):
+        build_seeded_pair(parse_model_spec("moda:ffn_kv_init=copy_kv"), {"hidden_size": 32}, 2, 0, None)
     with pytest.raises(ValueError, match="kind must be one of"):
         parse_model_spec("gpt2")
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -217,6 +223,10 @@ def test_compare_families_runs_resumes_and_reports(tmp_path, monkeypatch, capsys
     assert cells[6] == f"{sum(d < 0 for d in walls)}/2"
     assert cells[7] == f"{dense0['parameters']:,}"
     assert "## 2 layers" in table and "| llama | 2 |" in table
+    mean_at_3 = (runs["llama", 0]["curve"][1]["eval_loss"] + runs["llama", 1]["curve"][1]["eval_loss"]) / 2
+    assert "| model | step 0 | step 3 | step 6 |" in table
+    curve_row = [line for line in table.splitlines() if line.startswith("| llama |")][1]  # the per-step table
+    assert curve_row.split("|")[3].strip() == f"{mean_at_3:.4f}"
     for plot in ("val_loss_2L.png", "delta_vs_depth.png"):
         assert (out / plot).stat().st_size > 5000
     assert json.loads((out / "results.json").read_text())["2"]["denseformer:1x1"]["diffs"] == diffs

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import json
 import math
 import os
@@ -111,9 +112,23 @@ def spec_syntax() -> str:
     lines = [f"{BASELINE}"]
     for kind in causal_lm_families():
         short = SPEC_SHORTHANDS.get(kind)
-        generic = f"{kind}:field=value+field=value (any {FAMILIES[kind].config_class.__name__} field)"
+        options = sorted(spec_field_names(kind)[1])
+        extra = f"; upcycling only: {', '.join(options)}" if options else ""
+        generic = f"{kind}:field=value+field=value (any {FAMILIES[kind].config_class.__name__} field{extra})"
         lines.append(f"{short[0]}; or {generic}" if short else generic)
     return "\n".join(lines)
+
+
+def spec_field_names(kind: str) -> tuple[set[str], set[str]]:
+    """The names a spec of ``kind`` may set: its config's fields, and the options only its registry ``from_llama``
+    takes (e.g. MoDA's ``ffn_kv_init``; valid for upcycling only)."""
+    family = FAMILIES[kind]
+    config_fields = set(getattr(family.config_class, "__dataclass_fields__", {}))
+    options = set()
+    if family.from_llama is not None:
+        parameters = list(inspect.signature(family.from_llama).parameters.values())[1:]  # after the model
+        options = {q.name for q in parameters if q.kind is q.POSITIONAL_OR_KEYWORD or q.kind is q.KEYWORD_ONLY}
+    return config_fields, options - config_fields
 
 
 def parse_model_spec(text: str) -> ModelSpec:
@@ -140,10 +155,11 @@ def parse_model_spec(text: str) -> ModelSpec:
             if not sep or not name:
                 raise ValueError(f"model spec {text!r}: expected field=value parts joined by '+'; got {part!r}")
             fields[name] = _json_value(value)
-        known = getattr(FAMILIES[kind].config_class, "__dataclass_fields__", None)
-        unknown = sorted(set(fields) - set(known)) if known is not None else []
+        config_fields, upcycling_options = spec_field_names(kind)
+        unknown = sorted(set(fields) - config_fields - upcycling_options)
         if unknown:
-            raise ValueError(f"model spec {text!r}: {FAMILIES[kind].config_class.__name__} has no field(s) {unknown}")
+            raise ValueError(f"model spec {text!r}: {FAMILIES[kind].config_class.__name__} has no field(s) {unknown} "
+                             f"(upcycling options: {sorted(upcycling_options)})")
         return ModelSpec(text, kind, fields)
     if kind not in SPEC_SHORTHANDS:
         raise ValueError(f"model spec {text!r}: {kind} has no short variant syntax; write {kind}:field=value")
@@ -499,6 +515,11 @@ def build_seeded_pair(spec: ModelSpec, arch: dict, layers: int, seed: int, token
     if spec.is_baseline:
         return llama, "shared"
     set_seed(seed)
+    config_fields, _ = spec_field_names(spec.kind)
+    upcycling_only = sorted(set(spec.fields) - config_fields)
+    if upcycling_only:
+        raise ValueError(f"model spec {spec.text!r}: {upcycling_only} apply to upcycling only (scripts/upcycle.py); "
+                         "a model trained from scratch has no Llama to convert")
     config = build_config(spec.kind, fields, **spec.fields)
     model = build_model(spec.kind, tokenizer=tokenizer, config=config)
     own = model.state_dict()
@@ -774,8 +795,22 @@ def compare_tables(records: Sequence[dict], title: str = "", clock: str = "secon
             lines.append(f"| {spec} | {len(row['seeds'])} | {_pm(mean, std)} | {delta} | {row['parameters']:,} "
                          f"| {row['tokens_per_second']:,.0f} | {row['train_seconds']:.1f} "
                          f"| {row['train_cpu_seconds']:.1f} |")
-        lines.append("")
+        lines += ["", *mean_curve_table([r for r in records if r["layers"] == depth], list(rows)), ""]
     return "\n".join(lines)
+
+
+def mean_curve_table(records: Sequence[dict], specs: Sequence[str]) -> list[str]:
+    """Markdown lines: validation loss at every evaluated step, mean over each spec's runs in ``records``."""
+    steps = sorted({p["step"] for r in records for p in r["curve"]})
+    lines = ["Validation loss along the way (mean over seeds):", "",
+             "| model | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---:|" * len(steps)]
+    for spec in specs:
+        cells = []
+        for step in steps:
+            values = [p["eval_loss"] for r in records if r["spec"] == spec for p in r["curve"] if p["step"] == step]
+            cells.append(f"{statistics.fmean(values):.4f}" if values else "")
+        lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def continuation_summary(records: Sequence[dict]) -> dict[tuple[str, float], dict]:
@@ -828,20 +863,8 @@ def continuation_tables(records: Sequence[dict], title: str = "") -> str:
         lines.append(f"| {spec} | {scale:g}{mark} | {len(row['seeds'])} | {statistics.fmean(row['start']):.4f} "
                      f"| {_pm(*mean_std(row['losses']))} | {delta} | {test} | {row['parameters']:,} |")
     lines.append("")
-    steps = sorted({p["step"] for r in records for p in r["curve"]})
-    if steps:
-        lines += ["Validation loss against continued steps (mean over seeds; chosen lr scale):", "",
-                  "| model | " + " | ".join(str(s) for s in steps) + " |",
-                  "|---|" + "---:|" * len(steps)]
-        for spec in model_order(records):
-            scale = 1.0 if spec == BASELINE else chosen[spec]
-            runs = [r for r in records if r["spec"] == spec and r["lr_scale"] == scale]
-            cells = []
-            for step in steps:
-                values = [p["eval_loss"] for r in runs for p in r["curve"] if p["step"] == step]
-                cells.append(f"{statistics.fmean(values):.4f}" if values else "")
-            lines.append(f"| {spec} | " + " | ".join(cells) + " |")
-        lines.append("")
+    chosen_runs = [r for r in records if r["lr_scale"] == (1.0 if r["spec"] == BASELINE else chosen[r["spec"]])]
+    lines += ["At the chosen lr scales:", "", *mean_curve_table(chosen_runs, model_order(records)), ""]
     return "\n".join(lines)
 
 
@@ -863,6 +886,7 @@ __all__ = [
     "continuation_tables",
     "evaluate_loss",
     "interpolate_curve",
+    "mean_curve_table",
     "mean_std",
     "model_order",
     "new_parameter_names",
@@ -872,6 +896,7 @@ __all__ = [
     "prepare_study_data",
     "run_compare_grid",
     "run_continuations",
+    "spec_field_names",
     "spec_syntax",
     "t_quantile_975",
     "train_recorded",
