@@ -20,7 +20,7 @@ Model specs (``--models``, comma-separated; ``llama`` must be one):
 Default invocation (``configs/clm_narrow.json``: width 64, 2 query / 1 KV heads; llama, DenseFormer 1x1 and
 4x5, MoDA, AttnRes block 8; seeds 0 1; 6 and 12 layers; King James Bible, 2,048-token BPE; 200 steps of batch
 8 x 128 tokens, evaluation every 25 steps on 32 validation blocks; 20 runs):
-    python scripts/compare_families.py
+    OMP_NUM_THREADS=1 python scripts/compare_families.py
 estimated 25-40 min on the 2-core machine. Measured under load (other jobs running, load average 6-8 on the
 2 cores; 20-step probe runs): training s/step at 6 layers 0.17-0.31 (all five models), at 12 layers
 0.22-0.63, at 24 layers 0.69-1.23 (MoDA the slowest), with swings of up to 3x between identical runs from the
@@ -30,13 +30,14 @@ up to 40 min when the load is heavier.
 
 The issue's main study (``--study``): the Bible at 6, 12 and 24 layers and the plays at 12 layers, seeds 0 1 2,
 the same five models, 200 steps each (60 runs), into ``<output_dir>/kjv`` and ``<output_dir>/plays``:
-    nice -n 10 python scripts/compare_families.py --study --output_dir outputs/family_study
+    OMP_NUM_THREADS=1 nice -n 10 python scripts/compare_families.py --study --output_dir outputs/family_study
 estimated 1 h 50 min of the 2 cores from the same measurements (about 9.7 s per step for the 20 runs of one
 seed, x 200 steps x 3 seeds, plus evaluation and set-up), up to about 2 h 30 min under heavier load; rerun the
 same command after an interruption (finished runs are kept). On a shared machine add ``--clock cpu`` (or rerun
 with ``--report_only --clock cpu``): the equal-time comparison then uses each process's CPU time, which the
-other jobs disturb far less than the wall clock. The plays corpus is fetched once by ``scripts/setup.sh`` (or on
-first use) with pip.
+other jobs disturb far less than the wall clock (with one torch thread, as here: with several, threads that
+spin while waiting count too). All timings above are with ``OMP_NUM_THREADS=1``. The plays corpus is fetched
+once by ``scripts/setup.sh`` (or on first use) with pip.
 
 Paper-scale (a GPU; DenseFormer's and MoDA's effects are reported at 24-48 layers and far more tokens):
     python scripts/compare_families.py --config configs/clm_small.json --layers 12 24 48 --seeds 0 1 2 \\

@@ -22,7 +22,7 @@ loss of every run is reported next to it, never used to choose. Every finished r
 Default (``configs/clm_narrow.json`` at 12 layers, King James Bible, 200 pre-training steps, then 200 steps for
 llama, DenseFormer 1x1 and 4x5, MoDA and AttnRes block 8 at new-parameter lr scales 1 and 10, seeds 0 1 2:
 1 + 3 x (1 + 4 x 2) = 28 runs of 200 steps):
-    nice -n 10 python scripts/upcycle.py --output_dir outputs/upcycle
+    OMP_NUM_THREADS=1 nice -n 10 python scripts/upcycle.py --output_dir outputs/upcycle
 estimated 45-60 min on the 2-core machine: 29 runs x 200 steps at 0.22-0.63 s/step (12 layers, width 64, batch
 8 x 128; measured while other jobs loaded the 2 cores, mean about 0.45), plus about 7 % for the evaluations;
 ``--new_param_lr_scale 10`` alone (the scale to try first) roughly halves it. The seeds vary the continuation's
