@@ -62,10 +62,11 @@ def test_model_through_interpreted_triton_matches_torch_backend():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.split("REPORT", 1)[1])
-    # Two fp32 kernels with different summation orders through 4 layers: a few hundred ulps of the logits.
+    # Two fp32 kernels with different summation orders through 4 layers (measured: logits 3 ulps of 1,
+    # gradients 9 eps relative in norm); the gates leave about a factor 10.
     eps = 2.0**-23
-    assert report["logits_diff"] <= 512 * eps * max(report["logits_max"], 1.0), report
-    assert report["eval_diff"] <= 512 * eps * max(report["logits_max"], 1.0), report
-    assert report["grad_rel"] <= 1e-4, report
+    assert report["logits_diff"] <= 32 * eps * max(report["logits_max"], 1.0), report
+    assert report["eval_diff"] <= 32 * eps * max(report["logits_max"], 1.0), report
+    assert report["grad_rel"] <= 128 * eps, report
     assert report["ffn_grad"] > 0, report
     assert report["same_generation"], report
