@@ -6,7 +6,8 @@ of the op or the model help", which on a shared machine needs the old and new co
 process. The AttnRes folder of ``--before`` (a checkout, or its ``models/attnres`` folder, e.g. extracted
 with ``git archive <commit> src/depthfusion_hf/models/attnres | tar -x -C /tmp/old``) is imported under
 another name. Models (same config and seed as ``bench_models.py``: 12 layers × 256, SwiGLU 704, vocab 8192,
-fp32, SDPA): ``llama``, ``llama-control`` (the run's noise floor), ``full`` / ``block8`` (new) and
+fp32, SDPA; the AttnRes pseudo-queries drawn off their zero init,
+identically for the pairs): ``llama``, ``llama-control`` (the run's noise floor), ``full`` / ``block8`` (new) and
 ``full-before`` / ``block8-before``. Before timing, each before/new pair must give the same loss and
 gradients (the gates of ``bench_models.check_same_function``).
 
@@ -78,6 +79,12 @@ def build(args) -> dict[str, torch.nn.Module]:
         torch.manual_seed(0)
         model = specs[name]()
         model.config._attn_implementation = "sdpa"
+        if not name.startswith("llama"):  # off the zero init, so that the same-function gate sees every term
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for pname, param in model.named_parameters():
+                    if pname.endswith(".query"):
+                        param.copy_(torch.randn(param.shape, generator=gen) / param.numel() ** 0.5)
         models[name] = model.train()
     return models
 

@@ -1,4 +1,4 @@
-"""Per-source norms computed once (``source_inv_rms`` / ``inv_rms=``) and the no-grad stacked path of the op.
+"""Per-source norms computed once (``source_inv_rms`` / ``inv_rms=``), and the op without autograd.
 
 The torch backend's list path can take each source's inverse RMS norm as an input (a model computes it
 once per source, when the source is written, and passes it to every call reading it); the gradient
@@ -79,9 +79,10 @@ def test_cached_norms_gradcheck(list_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=[shape_id(s) for s in SHAPES[:4]])
-def test_no_grad_small_path_matches_float64_truth(monkeypatch, shape, dtype):
-    """Without gradients the stacked path uses two batched products: same values (also under bf16 autocast)."""
-    monkeypatch.setattr(attnres, "SMALL_NUMEL", 1 << 40)
+@pytest.mark.parametrize("small", [False, True], ids=["list", "small"])
+def test_no_grad_matches_float64_truth(monkeypatch, shape, dtype, small):
+    """Under ``torch.no_grad`` (decoding) both torch paths give the truth's values (also under bf16 autocast)."""
+    monkeypatch.setattr(attnres, "SMALL_NUMEL", 1 << 40 if small else -1)
     query, sources, weight = make_inputs(shape, dtype, param_dtype=dtype if dtype == torch.float64 else torch.float32)
     grad_h, grad_alpha = make_grads(shape, dtype)
     h64, alpha64, _ = truth(query, sources, weight, grad_h, grad_alpha)
