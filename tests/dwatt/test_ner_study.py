@@ -149,7 +149,7 @@ def test_a_real_tiny_study_selects_on_dev_reports_paired_gains_and_resumes(tmp_p
         assert selected["8"][method]["learning_rate"] == best and selected["8"][method]["max_steps"] == 1
         assert selected["8"][method]["dev_f1_mean"] == mine[best]
         assert {(r["learning_rate"], r["head_learning_rate"], r["steps"]) for r in tests if r["method"] == method} == {
-            (best, 10 * best, 1)}
+            (best, float(f"{10 * best:.12g}"), 1)}
 
     # the paired gains in results.json and results.md are those of the stored F1s
     f1 = {(r["method"], r["seed"]): r["f1"] for r in tests}

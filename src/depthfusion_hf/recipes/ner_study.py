@@ -302,10 +302,11 @@ def run_cell(settings: NerStudySettings, data: StudyData, size: TrainingSize, me
         if found is not None:
             return found
         train = sample_training_set(data.pool, size, seed, data.entity_types)
-        run_settings = dataclasses.replace(settings.base, learning_rate=lr,
-                                           head_learning_rate=lr * settings.head_lr_ratio, max_steps=steps)
+        head_lr = float(f"{lr * settings.head_lr_ratio:.12g}")  # 3e-3, not 0.0029999999999999996
+        run_settings = dataclasses.replace(settings.base, learning_rate=lr, head_learning_rate=head_lr,
+                                           max_steps=steps)
         record = {"phase": phase, "size": size.label, "method": method, "learning_rate": lr,
-                  "head_learning_rate": lr * settings.head_lr_ratio, "max_steps": steps}
+                  "head_learning_rate": head_lr, "max_steps": steps}
         record.update(run_one(run_settings, context["encoder"], context["tokenizer"], train, method, seed,
                               data.label_list, evaluation, context["workdir"]))
         record["train_indices"] = sorted(pool_index[id(s)] for s in train)
