@@ -11,9 +11,9 @@ For every training size and method, the study
    default), scoring the fixed test split.
 
 The pool is the training pool of :func:`depthfusion_hf.recipes.ner.load_splits` without the sentences
-whose tokens equal a test sentence (WNUT-16 has 23 such duplicate tweets), minus the ``dev_size`` dev
-sentences drawn with ``dev_seed``: the training sets of both phases are drawn from what is left, so no
-training, dev or test sentence is shared.
+whose tokens equal a test sentence (WNUT-16: 29 pool tweets repeat 23 of the 300 test tweets, 11 of
+them with entities), minus the ``dev_size`` dev sentences drawn with ``dev_seed``: the training sets of
+both phases are drawn from what is left, so no training, dev or test sentence is shared.
 
 Every finished run is one JSON file under ``<output_dir>/runs/``; a rerun skips the files it finds
 (resume), and refuses an output folder written with other fixed settings (data, grid, optimisation).
