@@ -53,6 +53,8 @@ _STUDY_CONTROLLED = {"config", "fusions", "sizes", "seeds", "learning_rate", "he
 # Study fields that may change between invocations sharing one output folder (they select what runs, not how).
 _FREE_FIELDS = {"methods", "sizes", "seeds", "shard", "output_dir", "config"}
 BASELINES = ("last", "last_ln")
+# What a study writes into its output folder (besides study.json).
+OUTPUT_NAMES = ("runs", "selected.json", "results.json", "results.md", "f1_vs_size.png")
 
 
 @dataclass
@@ -265,18 +267,19 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def check_or_write_study_file(settings: NerStudySettings) -> None:
-    """Record the fixed settings in ``study.json``; refuse a folder written with other fixed settings, or a
-    non-empty folder that holds no study (the report would replace its files).
+    """Record the fixed settings in ``study.json``; refuse a folder written with other fixed settings, or one
+    without ``study.json`` that already holds a file of the names the study writes (it would replace them).
 
     Raises:
-        ValueError: naming the settings that differ from the stored ones, or the foreign folder.
+        ValueError: naming the settings that differ from the stored ones, or the files in the way.
     """
     out = Path(settings.output_dir)
     path = out / "study.json"
     fixed = json.loads(json.dumps(settings.fixed_record()))  # JSON round trip: tuples -> lists
-    if not path.is_file() and out.is_dir() and any(out.iterdir()):
-        raise ValueError(f"{out} is not empty and holds no study.json: the study writes only into an empty or new "
-                         f"folder, or one of its own")
+    in_the_way = [name for name in OUTPUT_NAMES if (out / name).exists()]
+    if not path.is_file() and in_the_way:
+        raise ValueError(f"{out} holds {in_the_way} but no study.json: they were not written by a study; use "
+                         f"another output_dir")
     if path.is_file():
         stored = json.loads(path.read_text())["fixed"]
         differ = sorted(k for k in set(stored) | set(fixed) if stored.get(k) != fixed.get(k))
