@@ -63,6 +63,24 @@ def test_local_files_are_read_and_malformed_ones_name_file_and_line(tmp_path):
     assert splits["validation"] == []
 
 
+def test_pool_copies_of_test_sentences_are_dropped(tmp_path):
+    train, test = tmp_path / "train.txt", tmp_path / "test.txt"
+    train.write_text("Ann\tB-PER\nsings\tO\n\nRome\tB-LOC\n\nBob\tB-PER\nin\tO\n")
+    test.write_text("Bob\tB-PER\nin\tO\n\nOslo\tB-LOC\n")
+    splits, name = ner.load_splits(ner.NerSettings(train_file=str(train), test_file=str(test)))
+    assert [s["tokens"] for s in splits["train"]] == [["Ann", "sings"], ["Rome"]]
+    assert name == "train.txt; 1 train sentences equal to test sentences dropped"
+    kept, _ = ner.load_splits(ner.NerSettings(train_file=str(train), test_file=str(test), drop_test_duplicates=False))
+    assert len(kept["train"]) == 3
+
+
+def test_the_default_wnut_pool_holds_no_test_sentence():
+    splits, name = ner.load_splits(ner.NerSettings())
+    test = {tuple(s["tokens"]) for s in splits["test"]}
+    assert not any(tuple(s["tokens"]) in test for s in splits["train"])
+    assert "29 train sentences equal to test sentences dropped" in name
+
+
 @pytest.mark.integration
 def test_a_few_real_steps_write_sane_outputs(tmp_path):
     out = tmp_path / "out"

@@ -42,14 +42,23 @@ from transformers import AutoTokenizer
 from ..data import TrainingSize, build_label_list, count_entities, parse_size
 from ..models.dwatt import FUSION_METHODS
 from ..plotting import plot_f1_vs_size
-from .ner import NerSettings, default_encoder, encode, encoder_name, load_splits, run_one, sample_training_set
+from .ner import (
+    NerSettings,
+    default_encoder,
+    drop_test_copies,
+    encode,
+    encoder_name,
+    load_splits,
+    run_one,
+    sample_training_set,
+)
 from .study import t_quantile_975
 
 Sentence = dict[str, list[str]]
 
 # NerSettings fields the study sets itself (per cell and run) or does not use.
 _STUDY_CONTROLLED = {"config", "fusions", "sizes", "seeds", "learning_rate", "head_learning_rate", "max_steps",
-                     "epochs", "output_dir", "validation_file", "selected_settings"}
+                     "epochs", "output_dir", "validation_file", "selected_settings", "drop_test_duplicates"}
 # Study fields that may change between invocations sharing one output folder (they select what runs, not how).
 _FREE_FIELDS = {"methods", "sizes", "seeds", "shard", "output_dir", "config"}
 BASELINES = ("last", "last_ln")
@@ -171,13 +180,11 @@ def prepare_data(settings: NerStudySettings) -> StudyData:
     Raises:
         ValueError: when ``dev_size`` leaves no pool to draw training sets from.
     """
-    splits, name = load_splits(settings.base)
+    splits, name = load_splits(dataclasses.replace(settings.base, drop_test_duplicates=False))
     pool, test = splits["train"], splits["test"]
     dropped = 0
     if settings.drop_test_duplicates:
-        seen = {tuple(s["tokens"]) for s in test}
-        kept = [s for s in pool if tuple(s["tokens"]) not in seen]
-        dropped, pool = len(pool) - len(kept), kept
+        pool, dropped = drop_test_copies(pool, test)
     if settings.dev_size >= len(pool):
         raise ValueError(f"dev_size={settings.dev_size} leaves no training pool (pool: {len(pool)} sentences)")
     chosen = set(random.Random(settings.dev_seed).sample(range(len(pool)), settings.dev_size))
