@@ -71,7 +71,10 @@ def test_cli_option_parses_full_and_block_sizes():
     sys.path.insert(0, str(REPO / "scripts"))
     import train_clm
 
-    assert train_clm.parse_args(["--model", "attnres"]).attnres_block_size is None
+    # not given: no value from the command line, so the --config file or the config default (full AttnRes) decides
+    args = train_clm.parse_args(["--model", "attnres"])
+    assert FAMILIES["attnres"].config_kwargs(args) == {}
+    assert AttnResConfig(**FAMILIES["attnres"].config_kwargs(args)).attnres_block_size is None
     assert train_clm.parse_args(["--model", "attnres", "--attnres_block_size", "full"]).attnres_block_size is None
     assert train_clm.parse_args(["--model", "attnres", "--attnres_block_size", "4"]).attnres_block_size == 4
     with pytest.raises(SystemExit):
