@@ -16,6 +16,9 @@ Three implementations behind :func:`attention_residual`, one signature:
   saves references to the inputs and the [B, T, N] weights, logits and inverse norms). Sources of at
   most ``SMALL_NUMEL`` elements (cached decoding) take a stacked, vectorised autograd path instead: a
   few kernels per call whatever N, rather than several per source. Autocast is disabled inside.
+  A caller whose calls share sources (the model) may compute each source's inverse norm once with
+  :func:`source_inv_rms` and pass them (``inv_rms=`` of :func:`attention_residual_with_backend`): the list
+  path then skips the norms and sends their gradient through them (summed over the calls by autograd).
 - ``"triton"``: fused forward and backward kernels (``attnres_triton.py``) for CUDA tensors.
 
 The backend is chosen by the ``backend`` argument, else ``$DEPTHFUSION_BACKEND``, else automatically
