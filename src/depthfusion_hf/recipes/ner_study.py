@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import random
 import statistics
@@ -52,7 +51,7 @@ from .ner import (
     run_one,
     sample_training_set,
 )
-from .study import t_quantile_975
+from .study import paired_summary
 
 Sentence = dict[str, list[str]]
 
@@ -222,14 +221,10 @@ def paired_gain(values: dict[int, float], baseline: dict[int, float]) -> dict | 
     if not seeds:
         return None
     diffs = [values[s] - baseline[s] for s in seeds]
-    mean = statistics.mean(diffs)
-    result = {"n": len(diffs), "mean": mean, "std": None, "low": None, "high": None,
-              "wins": sum(d > 0 for d in diffs), "diffs": diffs}
-    if len(diffs) > 1:
-        std = statistics.stdev(diffs)
-        half = t_quantile_975(len(diffs) - 1) * std / math.sqrt(len(diffs))
-        result.update(std=std, low=mean - half, high=mean + half)
-    return result
+    summary = paired_summary(diffs, higher_is_better=True)
+    spread = {"std": summary.std, "low": summary.low, "high": summary.high} if summary.n > 1 else \
+        {"std": None, "low": None, "high": None}
+    return {"n": summary.n, "mean": summary.mean, **spread, "wins": summary.won, "diffs": diffs}
 
 
 class RunStore:

@@ -675,12 +675,17 @@ class PairedSummary:
     won: int
 
 
-def paired_summary(differences: Sequence[float]) -> PairedSummary:
-    """Mean, std, 95 % t-interval and seeds won of paired differences."""
+def paired_summary(differences: Sequence[float], higher_is_better: bool = False) -> PairedSummary:
+    """Mean, std, 95 % t-interval and seeds won of paired differences.
+
+    A seed is won when its difference is negative (a loss), or positive with ``higher_is_better`` (a score
+    such as F1); a tie is not a win.
+    """
     mean, std = mean_std(differences)
     n = len(differences)
     half = t_quantile_975(n - 1) * std / math.sqrt(n) if n > 1 else float("nan")
-    return PairedSummary(n, mean, std, mean - half, mean + half, sum(d < 0 for d in differences))
+    won = sum((d > 0) if higher_is_better else (d < 0) for d in differences)
+    return PairedSummary(n, mean, std, mean - half, mean + half, won)
 
 
 def interpolate_curve(curve: Sequence[dict], x: float, key: str = "seconds") -> tuple[float, bool]:
