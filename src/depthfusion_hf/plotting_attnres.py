@@ -65,8 +65,10 @@ def plot_depth_attention_heatmap(
                         color="black" if value > 0.6 * float(matrix.max()) else "white")
     ax.set_xticks(range(len(cols)), labels=cols, fontsize=7)
     ax.set_yticks(range(len(rows)), labels=rows, fontsize=7)
-    ax.set_xlabel("source (emb = embedding; " + ("v_i = output of sub-layer i)" if block_size is None
-                                                 else f"b_n = sum of block n of {block_size} sub-layers, so far)"))
+    # Two lines: one would be wider than a narrow heatmap's figure.
+    ax.set_xlabel("source (emb = embedding;\n" + ("v_i = output of sub-layer i)" if block_size is None
+                                                   else f"b_n = sum of block n of {block_size} sub-layers, so far)"),
+                  fontsize=9)
     ax.set_ylabel("AttnRes call feeding")
     ax.set_title(title, fontsize=10)
     fig.colorbar(image, ax=ax, shrink=0.8, label="mean softmax weight")
