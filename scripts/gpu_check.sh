@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for issue 5: on a CUDA machine, run the kernel tests (compiled, not interpreted) and the
-# three benchmarks, in under 8 minutes, writing everything to one folder.
+# benchmarks, in under 10 minutes, writing everything to one folder.
 #
 #   scripts/gpu_check.sh [OUT_DIR]        # default OUT_DIR: gpu_results/
 #
@@ -69,6 +69,8 @@ step bench_models 100 "$PY" scripts/bench_models.py --device cuda --dtype bf16 -
 # 4. MoDA attention vs SDPA at long T (written by the MoDA-kernel engineer).
 step bench_moda_attention 100 "$PY" scripts/bench_moda_attention.py --device cuda --dtype bf16 \
   --out "$OUT/bench_moda_attention.jsonl"
+# 5. AttnRes op: the fused kernel against the plain residual sum, and its bandwidth.
+step bench_attnres 100 "$PY" scripts/bench_attnres.py --device cuda --dtype bf16 --out "$OUT/bench_attnres.jsonl"
 
 TOTAL=$(( $(date +%s) - START_ALL ))
 echo "total ${TOTAL}s" | tee -a "$SUMMARY"

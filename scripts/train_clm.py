@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=str(REPO / "configs" / "clm_small.json"),
                    help="model config JSON (Llama-style fields)")
     p.add_argument("--init_from", default=None, help="upcycle this Llama checkpoint (folder or Hub id)")
-    p.add_argument("--dataset", default="kjv", help="'kjv' (built-in) or a Hub dataset id (online)")
+    p.add_argument("--dataset", default="kjv", help="'kjv' or 'plays' (built-in) or a Hub dataset id (online)")
     p.add_argument("--dataset_config", default=None, help="Hub dataset configuration name")
     p.add_argument("--text_column", default="text")
     p.add_argument("--train_files", nargs="*", default=None, help="local .txt/.json/.jsonl training files")
