@@ -135,6 +135,50 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         )
 
 
+# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.prepare_decoder_inputs
+def prepare_decoder_inputs(
+    model: nn.Module,
+    input_ids: torch.LongTensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor | None,
+    cache: Cache | None,
+    inputs_embeds: torch.Tensor | None,
+    use_cache: bool | None,
+) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    """The Llama decoder preamble shared by the family models: check and embed the tokens, make the cache,
+    positions, causal mask and rotary embeddings.
+
+    Args:
+        model: the decoder (with ``config``, ``embed_tokens`` and ``rotary_emb``).
+        input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
+        attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
+        position_ids: [B, T]; by default continue from the cache length.
+        cache: a transformers ``Cache``; a ``DynamicCache`` is made when none is given and ``use_cache``.
+    Returns:
+        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, the causal mask for the layers,
+        the rotary (cos, sin), each [B or 1, T, head_dim]).
+    """
+    check_token_inputs(input_ids, inputs_embeds, model.config.vocab_size)
+    if inputs_embeds is None:
+        inputs_embeds = model.embed_tokens(input_ids)  # (B, T, D)
+    if use_cache and cache is None:
+        cache = DynamicCache(config=model.config)
+    if position_ids is None:
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        position_ids = position_ids.unsqueeze(0)
+
+    causal_mask = create_causal_mask(
+        config=model.config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        cache=cache,
+        position_ids=position_ids,
+    )
+    position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
+    return inputs_embeds, position_ids, cache, causal_mask, position_embeddings
+
+
 class AttnResMix(nn.Module):
     """One Attention Residuals call: ``sum_i softmax_i(w . RMSNorm(s_i)) s_i`` over the sources, per token.
 
@@ -300,6 +344,7 @@ class AttnResModel(AttnResPreTrainedModel):
     input of layer i + 1), as for Llama; the last entry is ``last_hidden_state``.
     """
 
+    # Copied from depthfusion_hf.models.moda.modeling_moda.MoDAModel.__init__ with MoDA->AttnRes
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -313,9 +358,11 @@ class AttnResModel(AttnResPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerModel.get_input_embeddings
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerModel.set_input_embeddings
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
@@ -344,25 +391,10 @@ class AttnResModel(AttnResPreTrainedModel):
             output_depth_weights: also return every AttnRes call's softmax weights (see
                 :class:`AttnResModelOutputWithPast`).
         """
-        check_token_inputs(input_ids, inputs_embeds, self.config.vocab_size)
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
-
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
+        inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
+            self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
 
         # Differs from Llama: the depth state starts as (v_0,); sub-layer 1's AttnRes over it is v_0 itself.
         sources: tuple[torch.Tensor, ...] = (inputs_embeds,)
@@ -452,6 +484,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
+    # Copied from depthfusion_hf.models.moda.modeling_moda.MoDAForCausalLM.__init__ with MoDA->AttnRes
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
         self.model = AttnResModel(config)
@@ -459,15 +492,19 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.get_input_embeddings
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.set_input_embeddings
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.embed_tokens = value
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.get_output_embeddings
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.set_output_embeddings
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
@@ -480,6 +517,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """See :meth:`AttnResModel.depth_attention_weights`: [2L + 1, N_max] (or per token)."""
         return self.model.depth_attention_weights(input_ids, attention_mask=attention_mask, per_token=per_token)
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.forward
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
@@ -495,7 +533,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         """Next-token logits [B, T, V] (and the shifted cross-entropy loss when ``labels`` [B, T] are given)."""
-        outputs: AttnResModelOutputWithPast = self.model(
+        outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,

@@ -69,6 +69,49 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         )
 
 
+def prepare_decoder_inputs(
+    model: nn.Module,
+    input_ids: torch.LongTensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor | None,
+    cache: Cache | None,
+    inputs_embeds: torch.Tensor | None,
+    use_cache: bool | None,
+) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    """The Llama decoder preamble shared by the family models: check and embed the tokens, make the cache,
+    positions, causal mask and rotary embeddings.
+
+    Args:
+        model: the decoder (with ``config``, ``embed_tokens`` and ``rotary_emb``).
+        input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
+        attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
+        position_ids: [B, T]; by default continue from the cache length.
+        cache: a transformers ``Cache``; a ``DynamicCache`` is made when none is given and ``use_cache``.
+    Returns:
+        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, the causal mask for the layers,
+        the rotary (cos, sin), each [B or 1, T, head_dim]).
+    """
+    check_token_inputs(input_ids, inputs_embeds, model.config.vocab_size)
+    if inputs_embeds is None:
+        inputs_embeds = model.embed_tokens(input_ids)  # (B, T, D)
+    if use_cache and cache is None:
+        cache = DynamicCache(config=model.config)
+    if position_ids is None:
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        position_ids = position_ids.unsqueeze(0)
+
+    causal_mask = create_causal_mask(
+        config=model.config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        cache=cache,
+        position_ids=position_ids,
+    )
+    position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
+    return inputs_embeds, position_ids, cache, causal_mask, position_embeddings
+
+
 def dwa_sources(step: int, dilation: int) -> list[int]:
     """S(i): the block indices a DWA step after block ``step`` reads, ``j <= i, j ≡ i (mod k)``."""
     return list(range(step % dilation, step + 1, dilation))
@@ -234,25 +277,10 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
             cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
             use_cache: build a ``DynamicCache`` when none is given.
         """
-        check_token_inputs(input_ids, inputs_embeds, self.config.vocab_size)
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
-
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
+        inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
+            self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
 
         # Differs from Llama: keep the block outputs X_j that later DWA steps read (X_0 = embeddings).
         needed = self.dwa.needed
@@ -299,6 +327,7 @@ class DenseFormerForCausalLM(DenseFormerPreTrainedModel, GenerationMixin):
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
+    # Copied from depthfusion_hf.models.moda.modeling_moda.MoDAForCausalLM.__init__ with MoDA->DenseFormer
     def __init__(self, config: DenseFormerConfig):
         super().__init__(config)
         self.model = DenseFormerModel(config)

@@ -91,6 +91,50 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         )
 
 
+# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.prepare_decoder_inputs
+def prepare_decoder_inputs(
+    model: nn.Module,
+    input_ids: torch.LongTensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor | None,
+    cache: Cache | None,
+    inputs_embeds: torch.Tensor | None,
+    use_cache: bool | None,
+) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    """The Llama decoder preamble shared by the family models: check and embed the tokens, make the cache,
+    positions, causal mask and rotary embeddings.
+
+    Args:
+        model: the decoder (with ``config``, ``embed_tokens`` and ``rotary_emb``).
+        input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
+        attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
+        position_ids: [B, T]; by default continue from the cache length.
+        cache: a transformers ``Cache``; a ``DynamicCache`` is made when none is given and ``use_cache``.
+    Returns:
+        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, the causal mask for the layers,
+        the rotary (cos, sin), each [B or 1, T, head_dim]).
+    """
+    check_token_inputs(input_ids, inputs_embeds, model.config.vocab_size)
+    if inputs_embeds is None:
+        inputs_embeds = model.embed_tokens(input_ids)  # (B, T, D)
+    if use_cache and cache is None:
+        cache = DynamicCache(config=model.config)
+    if position_ids is None:
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        position_ids = position_ids.unsqueeze(0)
+
+    causal_mask = create_causal_mask(
+        config=model.config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        cache=cache,
+        position_ids=position_ids,
+    )
+    position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
+    return inputs_embeds, position_ids, cache, causal_mask, position_embeddings
+
+
 def depth_window(config: MoDAConfig, layer_idx: int) -> tuple[int, int]:
     """The depth slots ``[start, stop)`` layer ``layer_idx`` reads, in write order.
 
@@ -343,9 +387,11 @@ class MoDAModel(MoDAPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerModel.get_input_embeddings
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerModel.set_input_embeddings
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
@@ -371,25 +417,10 @@ class MoDAModel(MoDAPreTrainedModel):
             cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
             use_cache: build a ``DynamicCache`` when none is given.
         """
-        check_token_inputs(input_ids, inputs_embeds, self.config.vocab_size)
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
-
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
+        inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
+            self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
 
         # Differs from Llama: the per-token depth stream, rebuilt for the processed tokens on every call.
@@ -495,15 +526,19 @@ class MoDAForCausalLM(MoDAPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.get_input_embeddings
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.set_input_embeddings
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.embed_tokens = value
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.get_output_embeddings
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.set_output_embeddings
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
@@ -513,6 +548,7 @@ class MoDAForCausalLM(MoDAPreTrainedModel, GenerationMixin):
         """Per-layer share of attention mass on depth entries, [L] or [L, Hq] (``MoDAModel.depth_attention_share``)."""
         return self.model.depth_attention_share(input_ids, attention_mask=attention_mask, per_head=per_head)
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.forward
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
