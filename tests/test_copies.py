@@ -158,6 +158,17 @@ def test_a_marker_not_directly_above_a_definition_is_a_problem(tmp_path):
     assert len(problems) == 1 and "not directly above a def or class" in problems[0].message
 
 
+def test_a_trailing_noqa_on_a_long_marker_is_not_a_replacement(tmp_path):
+    first_marker = "# Copied from depthfusion_hf.fam_a.original.helper with DenseFormer->MoDA"
+    src, _ = make_tree(tmp_path / "kept", COPY.replace(first_marker, first_marker + "  # noqa: E501"))
+    assert len(list_markers(src)) == 3 and check_copies(src) == []
+    no_with = "# Copied from depthfusion_hf.fam_a.original.helper  # noqa: E501"
+    src, _ = make_tree(tmp_path / "no_with", COPY.replace(first_marker, no_with))
+    assert len(check_copies(src)) == 1  # read as a marker without replacements: the MoDA copy then differs
+    src, _ = make_tree(tmp_path / "more", COPY.replace(first_marker, first_marker + "  # noqa: E501, more"))
+    assert len(check_copies(src)) == 1  # anything else after the replacements is still part of them
+
+
 def test_replacements_are_parsed_and_applied_in_order():
     assert parse_replacements("DenseFormer->MoDA, denseformer->moda") == [("DenseFormer", "MoDA"),
                                                                         ("denseformer", "moda")]

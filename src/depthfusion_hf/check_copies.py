@@ -9,7 +9,8 @@ and classes are repeated in several folders. Every repeat carries a marker on th
 
 The path is a module under ``depthfusion_hf`` followed by the object's qualified name (``Class``,
 ``function``, ``Class.method``, ``Outer.Inner``). ``with A->B, C->D`` lists plain string replacements
-applied, in order, to the original's source before comparing. A copy matches when its source (decorators
+applied, in order, to the original's source before comparing (a marker longer than the line limit ends with
+``  # noqa: E501``, which is not part of them). A copy matches when its source (decorators
 included, dedented, trailing whitespace ignored) equals the original's after replacement.
 
 This is a developer tool (standard library only): ``python scripts/check_copies.py [--fix]`` and
@@ -29,7 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGE = "depthfusion_hf"
-MARKER = re.compile(r"^(?P<indent>[ \t]*)# Copied from (?P<target>[\w.]+)(?: with (?P<replace>.+?))?\s*$")
+# A marker over the line-length limit may end with a noqa comment for E501 (not part of the replacements).
+MARKER = re.compile(
+    r"^(?P<indent>[ \t]*)# Copied from (?P<target>[\w.]+)(?: with (?P<replace>.+?))?(?:\s+# noqa: E501)?\s*$"
+)
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
