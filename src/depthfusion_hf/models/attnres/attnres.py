@@ -39,18 +39,22 @@ from collections.abc import Sequence
 
 import torch
 
+
+# Copied from depthfusion_hf.models.denseformer.dwa.triton_unavailable
+def triton_unavailable(*_args: object) -> bool:
+    """Stands in for the kernel module's availability checks when it does not import: the kernel runs nowhere."""
+    return False
+
+
 try:  # Triton is optional: the model loads and runs without it.
     from .attnres_triton import MAX_DIM as TRITON_MAX_DIM
     from .attnres_triton import SUPPORTED_DTYPES as TRITON_DTYPES
-    from .attnres_triton import attnres_triton_available, triton_attention_residual
+    from .attnres_triton import attnres_triton_available, attnres_triton_runs_on, triton_attention_residual
 except Exception:  # pragma: no cover - depends on the environment
     triton_attention_residual = None
     TRITON_DTYPES = ()
     TRITON_MAX_DIM = 0
-
-    def attnres_triton_available() -> bool:
-        """Triton could not be imported: the fused kernel is unavailable."""
-        return False
+    attnres_triton_available = attnres_triton_runs_on = triton_unavailable
 
 
 BACKENDS = ("reference", "torch", "triton")
@@ -60,18 +64,20 @@ BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
 SMALL_NUMEL = 1 << 14
 
 
+# Copied from depthfusion_hf.models.denseformer.dwa.resolve_backend with _forward_backward->, dwa_->attnres_
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """Pick the implementation: explicit argument, else ``$DEPTHFUSION_BACKEND``, else automatic.
 
     Automatic means Triton for CUDA tensors when the kernel imports, PyTorch otherwise.
 
     Args:
-        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
         device: the device of the op's tensors.
     Returns:
         ``"reference"``, ``"torch"`` or ``"triton"``.
     Raises:
-        ValueError: for an unknown backend, or ``"triton"`` when the kernel is unavailable.
+        ValueError: for an unknown name, or ``"triton"`` where the kernel cannot run (no Triton, or
+            tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
     """
     choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
     if not isinstance(choice, str):
@@ -84,6 +90,10 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
     if choice == "triton" and not attnres_triton_available():
         raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
+    if choice == "triton" and not attnres_triton_runs_on(device):
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
+        )
     return choice
 
 

@@ -65,11 +65,18 @@ INTERPRET_TILE_ELEMENTS = 1 << 14
 INTERPRET_MAX_PROGRAMS = 4
 
 
+# Copied from depthfusion_hf.models.denseformer.dwa_triton.dwa_triton_forward_backward_available with _forward_backward->, dwa_->attnres_  # noqa: E501
 def attnres_triton_available() -> bool:
     """True when the fused kernels can run: Triton imports and CUDA is available or ``TRITON_INTERPRET=1``."""
     if triton is None:
         return False
     return _INTERPRET or torch.cuda.is_available()
+
+
+# Copied from depthfusion_hf.models.denseformer.dwa_triton.dwa_triton_runs_on with _forward_backward->, dwa_->attnres_
+def attnres_triton_runs_on(device: torch.device) -> bool:
+    """True when the kernels can run on tensors of ``device``: CUDA, or CPU under ``TRITON_INTERPRET=1``."""
+    return attnres_triton_available() and (device.type == "cuda" or (_INTERPRET and device.type == "cpu"))
 
 
 if triton is not None:

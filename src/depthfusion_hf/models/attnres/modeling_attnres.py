@@ -484,7 +484,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
-    # Copied from depthfusion_hf.models.moda.modeling_moda.MoDAForCausalLM.__init__ with MoDA->AttnRes
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.__init__ with DenseFormer->AttnRes  # noqa: E501
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
         self.model = AttnResModel(config)

@@ -28,6 +28,12 @@ from collections.abc import Sequence
 
 import torch
 
+
+def triton_unavailable(*_args: object) -> bool:
+    """Stands in for the kernel module's availability checks when it does not import: the kernel runs nowhere."""
+    return False
+
+
 try:  # Triton is optional: the model loads and runs without it.
     from .dwa_triton import (
         TRITON_DWA_DTYPES,
@@ -38,14 +44,7 @@ try:  # Triton is optional: the model loads and runs without it.
 except Exception:  # pragma: no cover - depends on the environment
     TRITON_DWA_DTYPES = ()
     triton_depth_weighted_average = None
-
-    def dwa_triton_forward_backward_available() -> bool:
-        """Triton could not be imported: the fused kernel is unavailable."""
-        return False
-
-    def dwa_triton_runs_on(device: torch.device) -> bool:
-        """Triton could not be imported: the fused kernel runs nowhere."""
-        return False
+    dwa_triton_forward_backward_available = dwa_triton_runs_on = triton_unavailable
 
 
 BACKENDS = ("reference", "torch", "triton")
@@ -61,7 +60,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 
     Args:
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
-        device: the device of the states.
+        device: the device of the op's tensors.
     Returns:
         ``"reference"``, ``"torch"`` or ``"triton"``.
     Raises:
@@ -69,6 +68,8 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
             tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
     """
     choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
+    if not isinstance(choice, str):
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS} or None; got {choice!r}")
     choice = choice.lower()
     if choice == "auto":
         use_triton = device.type == "cuda" and dwa_triton_forward_backward_available()

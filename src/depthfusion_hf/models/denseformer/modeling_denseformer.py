@@ -327,7 +327,6 @@ class DenseFormerForCausalLM(DenseFormerPreTrainedModel, GenerationMixin):
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
-    # Copied from depthfusion_hf.models.moda.modeling_moda.MoDAForCausalLM.__init__ with MoDA->DenseFormer
     def __init__(self, config: DenseFormerConfig):
         super().__init__(config)
         self.model = DenseFormerModel(config)

@@ -49,6 +49,13 @@ from dataclasses import dataclass
 
 import torch
 
+
+# Copied from depthfusion_hf.models.denseformer.dwa.triton_unavailable
+def triton_unavailable(*_args: object) -> bool:
+    """Stands in for the kernel module's availability checks when it does not import: the kernel runs nowhere."""
+    return False
+
+
 try:  # Triton is optional: the model loads and runs without it.
     from .moda_triton import (
         TRITON_MODA_DTYPES,
@@ -61,14 +68,7 @@ try:  # Triton is optional: the model loads and runs without it.
 except Exception:  # pragma: no cover - depends on the environment
     TRITON_MODA_DTYPES = ()
     triton_moda_attention = triton_moda_forward = triton_moda_backward = None
-
-    def moda_triton_available() -> bool:
-        """Triton could not be imported: the fused kernel is unavailable."""
-        return False
-
-    def moda_triton_runs_on(device: torch.device) -> bool:
-        """Triton could not be imported: the fused kernel runs nowhere."""
-        return False
+    moda_triton_available = moda_triton_runs_on = triton_unavailable
 
 
 BACKENDS = ("reference", "torch", "triton")
@@ -77,7 +77,7 @@ BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-# Copied from depthfusion_hf.models.denseformer.dwa.resolve_backend with _forward_backward->, dwa_->moda_, the states->q
+# Copied from depthfusion_hf.models.denseformer.dwa.resolve_backend with _forward_backward->, dwa_->moda_
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """Pick the implementation: explicit argument, else ``$DEPTHFUSION_BACKEND``, else automatic.
 
@@ -85,7 +85,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 
     Args:
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
-        device: the device of q.
+        device: the device of the op's tensors.
     Returns:
         ``"reference"``, ``"torch"`` or ``"triton"``.
     Raises:
@@ -93,6 +93,8 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
             tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
     """
     choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
+    if not isinstance(choice, str):
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS} or None; got {choice!r}")
     choice = choice.lower()
     if choice == "auto":
         use_triton = device.type == "cuda" and moda_triton_available()

@@ -519,6 +519,7 @@ class MoDAForCausalLM(MoDAPreTrainedModel, GenerationMixin):
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.__init__ with DenseFormer->MoDA  # noqa: E501
     def __init__(self, config: MoDAConfig):
         super().__init__(config)
         self.model = MoDAModel(config)
