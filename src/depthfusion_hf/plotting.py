@@ -9,15 +9,32 @@ from pathlib import Path
 import torch
 
 
+def agg_pyplot():
+    """matplotlib's ``pyplot`` on the non-interactive Agg backend (imported on first use: matplotlib is optional)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (120 dpi; missing folders are created) and close it; returns ``path``."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    agg_pyplot().close(fig)
+    return path
+
+
 def plot_dwa_heatmap(weights: torch.Tensor, path: str | Path, title: str = "DWA weights") -> Path:
     """Save a heatmap of a [d, d + 1] DWA weight matrix (row i: the weights of the DWA after block i + 1).
 
     Unconnected entries (exact zeros) are blank; the colour scale is symmetric around 0.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot()
     import numpy as np
 
     matrix = weights.detach().float().cpu()
@@ -39,32 +56,19 @@ def plot_dwa_heatmap(weights: torch.Tensor, path: str | Path, title: str = "DWA 
     ax.set_yticks(range(matrix.shape[0]), labels=[str(i + 1) for i in range(matrix.shape[0])])
     ax.set_title(title, fontsize=10)
     fig.colorbar(image, ax=ax, shrink=0.8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_per_layer(values: Sequence[float], path: str | Path, ylabel: str, title: str) -> Path:
     """Save a bar chart of one value per layer (e.g. MoDA's share of attention mass on depth entries)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(range(len(values)), list(values))
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_denseformer_analysis(model, out_dir: str | Path, sample_ids: torch.Tensor, label: str) -> Path:
@@ -97,10 +101,7 @@ def plot_moda_analysis(model, out_dir: str | Path, sample_ids: torch.Tensor, lab
 def plot_f1_vs_size(rows: Sequence[dict], fusions: Sequence[str], path: str | Path, title: str) -> Path:
     """Few-shot NER: test F1 (mean ± std over seeds) against the mean number of training sentences, one line
     per fusion method. ``rows`` are the summary rows of ``recipes.ner.summarise``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot()
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for fusion in fusions:
@@ -117,12 +118,15 @@ def plot_f1_vs_size(rows: Sequence[dict], fusions: Sequence[str], path: str | Pa
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
-__all__ = ["plot_denseformer_analysis", "plot_dwa_heatmap", "plot_f1_vs_size", "plot_moda_analysis", "plot_per_layer"]
+__all__ = [
+    "agg_pyplot",
+    "plot_denseformer_analysis",
+    "plot_dwa_heatmap",
+    "plot_f1_vs_size",
+    "plot_moda_analysis",
+    "plot_per_layer",
+    "save_figure",
+]

@@ -1,7 +1,6 @@
 """Figures for AttnRes: the depth-attention weights (each call's softmax over its sources) as a heatmap.
 
-Kept apart from :mod:`depthfusion_hf.plotting` for now (to be folded in); like it, matplotlib is imported
-only inside the functions.
+It uses the figure helpers of :mod:`depthfusion_hf.plotting` (matplotlib is imported on first use).
 """
 
 from __future__ import annotations
@@ -9,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from .plotting import agg_pyplot, save_figure
 
 
 def depth_attention_labels(num_layers: int, block_size: int | None) -> tuple[list[str], list[str]]:
@@ -44,10 +45,7 @@ def plot_depth_attention_heatmap(
     Raises:
         ValueError: if ``weights`` does not have the shape these settings give.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot()
     import numpy as np
 
     rows, cols = depth_attention_labels(num_layers, block_size)
@@ -72,12 +70,7 @@ def plot_depth_attention_heatmap(
     ax.set_ylabel("AttnRes call feeding")
     ax.set_title(title, fontsize=10)
     fig.colorbar(image, ax=ax, shrink=0.8, label="mean softmax weight")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_attnres_analysis(model, out_dir: str | Path, sample_ids: torch.Tensor, label: str) -> Path:
