@@ -3,7 +3,6 @@ have the papers' shapes; big models are instantiated on the meta device (no weig
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import depthfusion_hf  # noqa: F401  (registers the model types)
 from depthfusion_hf.export import AUTO_CLASSES
 from depthfusion_hf.models.moda.cost import moda_cost
 from depthfusion_hf.recipes.clm import MODEL_KINDS, build_config, load_arch
+from depthfusion_hf.recipes.ner import NerSettings
+from depthfusion_hf.recipes.ner_study import NerStudySettings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ALL_JSON = sorted(p for p in CONFIGS.rglob("*.json") if "accelerate" not in p.relative_to(CONFIGS).parts)
@@ -43,13 +44,6 @@ def count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _script_parser(name: str):
-    spec = importlib.util.spec_from_file_location(name, CONFIGS.parent / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_configs_folder_has_the_paper_and_tiny_sizes():
     names = {p.name for p in ALL_JSON}
     assert {"denseformer_48x4x5_paper.json", "moda_700m.json", "moda_1p5b.json"} <= names
@@ -69,12 +63,18 @@ def test_every_config_builds(path):
         for kind in MODEL_KINDS:
             config = build_config(kind, {"vocab_size": 100, **load_arch(path)})
             assert count(on_meta(config)) > 0
-    else:  # a recipe: the script it belongs to must accept every key (its parser rejects unknown ones)
-        assert path.name.startswith("ner_"), f"{path.name}: not a model, architecture or known recipe config"
-        args = _script_parser("train_ner_fewshot").parse_args(["--config", str(path)])
+    elif path.name.startswith("ner_study_"):  # the NER study's settings (unknown keys are rejected)
+        settings = NerStudySettings.from_values(data)
         for key, value in data.items():
             if key != "sizes" and not key.startswith("_"):  # sizes are parsed into objects; _comment is prose
-                assert getattr(args, key) == value, key
+                target = settings if hasattr(settings, key) else settings.base
+                assert getattr(target, key) == value, key
+    else:  # a NER recipe config: the recipe's settings must accept every key (unknown ones are rejected)
+        assert path.name.startswith("ner_"), f"{path.name}: not a model, architecture or known recipe config"
+        settings = NerSettings.from_config(path)
+        for key, value in data.items():
+            if key != "sizes" and not key.startswith("_"):  # sizes are parsed into objects; _comment is prose
+                assert getattr(settings, key) == value, key
 
 
 def test_denseformer_paper_config_is_48_blocks_4x5_at_the_papers_width():

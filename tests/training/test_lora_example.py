@@ -22,7 +22,7 @@ def test_lora_example_fine_tunes_saves_reloads_and_merges(tmp_path):
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--pretrain_steps", "30", "--lora_steps", "20"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = tmp_path / "lora_denseformer"
+    out = tmp_path / "outputs" / "lora_denseformer"  # the example writes only under outputs/
     summary = json.loads((out / "summary.json").read_text())
     assert summary["lora_loss"] < summary["base_loss"]  # the adapter learned the Psalms
     assert summary["reload_max_abs_diff"] <= 1e-6  # reloaded (memory-mapped) weights may round differently
