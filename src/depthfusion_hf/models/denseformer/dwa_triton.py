@@ -23,18 +23,22 @@ under ``TRITON_INTERPRET=1``, which must be set before this module is imported.
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
 
-    _TRITON_IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    _TRITON_IMPORT_ERROR = exc
+def import_triton() -> tuple[ModuleType | None, ModuleType | None, Exception | None]:
+    """``(triton, triton.language, None)``, or ``(None, None, the import error)`` where Triton does not import."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        return None, None, exc
+    return triton, tl, None
+
+
+triton, tl, _TRITON_IMPORT_ERROR = import_triton()
 
 # Set when this module is imported: Triton reads TRITON_INTERPRET at import time as well.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
