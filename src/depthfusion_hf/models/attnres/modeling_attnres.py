@@ -314,9 +314,10 @@ class AttnResPreTrainedModel(PreTrainedModel):
         "attentions": LlamaAttention,
     }
 
-    def __init__(self, config: AttnResConfig, *args, **kwargs):
-        config.check_fields()  # a config mutated after construction is rejected with the construction error
-        super().__init__(config, *args, **kwargs)
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerPreTrainedModel.__init__ with DenseFormer->AttnRes  # noqa: E501
+    def __init__(self, config: AttnResConfig, *inputs, **kwargs):
+        config.check_fields()  # a field changed after construction gets the construction error
+        super().__init__(config, *inputs, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
