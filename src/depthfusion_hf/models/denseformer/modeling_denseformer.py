@@ -280,8 +280,16 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
             self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
-        hidden_states = inputs_embeds
+        hidden_states = self.run_layers(
+            inputs_embeds, causal_mask, position_embeddings, position_ids, cache, use_cache, **kwargs
+        )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
+    def run_layers(self, hidden_states: torch.Tensor, causal_mask: torch.Tensor | None,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor], position_ids: torch.LongTensor,
+                   cache: Cache | None, use_cache: bool | None, **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
+        """The blocks and their DWA steps: embeddings [B, T, D] -> the last Y_d [B, T, D] (before the final norm)."""
         # Differs from Llama: keep the block outputs X_j that later DWA steps read (X_0 = embeddings).
         needed = self.dwa.needed
         block_outputs: dict[int, torch.Tensor] = {0: hidden_states} if 0 in needed else {}
@@ -307,9 +315,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                 if device not in backends:
                     backends[device] = resolve_backend(None, device)
                 hidden_states = self.dwa(sources, i, backend=backends[device])
-
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return hidden_states
 
 
 class DenseFormerForCausalLM(DenseFormerPreTrainedModel, GenerationMixin):

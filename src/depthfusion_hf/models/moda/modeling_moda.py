@@ -361,6 +361,7 @@ class MoDAPreTrainedModel(PreTrainedModel):
         "attentions": MoDAAttention,
     }
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerPreTrainedModel.__init__ with DenseFormer->MoDA  # noqa: E501
     def __init__(self, config: MoDAConfig, *inputs, **kwargs):
         config.check_fields()  # a field changed after construction gets the construction error
         super().__init__(config, *inputs, **kwargs)
@@ -395,6 +396,7 @@ class MoDAModel(MoDAPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerModel.forward
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
@@ -420,7 +422,16 @@ class MoDAModel(MoDAPreTrainedModel):
         inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
             self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
-        hidden_states = inputs_embeds
+        hidden_states = self.run_layers(
+            inputs_embeds, causal_mask, position_embeddings, position_ids, cache, use_cache, **kwargs
+        )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def run_layers(self, hidden_states: torch.Tensor, causal_mask: torch.Tensor | None,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor], position_ids: torch.LongTensor,
+                   cache: Cache | None, use_cache: bool | None, **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
+        """The MoDA blocks over one depth stream: embeddings [B, T, D] -> [B, T, D] (before the final norm)."""
         kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
 
         # Differs from Llama: the per-token depth stream, rebuilt for the processed tokens on every call.
@@ -446,9 +457,7 @@ class MoDAModel(MoDAPreTrainedModel):
                 depth_keys, depth_values = depth_keys + new_keys, depth_values + new_values
         if stream is not None:
             stream.close()
-
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return hidden_states
 
     def uses_depth_stream(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, backend: str) -> bool:
         """Whether this forward pass runs on a :class:`DepthStream` (else the tuple-and-stack fallback).
