@@ -62,7 +62,10 @@ class AttnResConfig(LlamaConfig):
 
     attnres_block_size: int | None = None
 
+    # Copied from depthfusion_hf.models.denseformer.configuration_denseformer.DenseFormerConfig.__post_init__
     def __post_init__(self, **kwargs):
+        # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
+        # wrap errors in a non-ValueError exception.
         self.check_fields()
         super().__post_init__(**kwargs)
 

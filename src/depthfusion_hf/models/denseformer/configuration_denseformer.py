@@ -61,6 +61,8 @@ class DenseFormerConfig(LlamaConfig):
     dwa_period: int = 1
 
     def __post_init__(self, **kwargs):
+        # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
+        # wrap errors in a non-ValueError exception.
         self.check_fields()
         super().__post_init__(**kwargs)
 

@@ -74,6 +74,7 @@ class MoDAConfig(LlamaConfig):
     norm_position: str = "pre"
     moda_depth_window: int | None = None
 
+    # Copied from depthfusion_hf.models.denseformer.configuration_denseformer.DenseFormerConfig.__post_init__
     def __post_init__(self, **kwargs):
         # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
         # wrap errors in a non-ValueError exception.
