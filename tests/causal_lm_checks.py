@@ -89,3 +89,17 @@ def assert_left_padding_matches_single_sequences(model, vocab_size: int = 97) ->
         torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-4, msg=f"step {step}")
     uncached = generate(model, batch, mask, use_cache=False, do_sample=False)
     assert torch.equal(batched.sequences, uncached.sequences)
+
+
+def assert_a_few_adamw_steps_lower_the_loss(model, steps: int = 5, vocab_size: int = 97) -> None:
+    """Train ``model`` on one batch for ``steps`` AdamW steps (lr 1e-2): its loss must fall."""
+    ids = torch.randint(3, vocab_size, (4, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < first

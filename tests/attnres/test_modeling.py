@@ -7,6 +7,7 @@ from transformers import LlamaForCausalLM
 
 from depthfusion_hf.models.attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
 from depthfusion_hf.models.attnres.modeling_attnres import check_token_inputs
+from tests.causal_lm_checks import assert_a_few_adamw_steps_lower_the_loss
 
 from .helpers import naive_attnres_forward, randomise_attnres, tiny_config, tiny_llama_config
 
@@ -189,16 +190,7 @@ def test_bf16_close_to_fp32():
 
 def test_loss_trains_the_pseudo_queries():
     model = AttnResForCausalLM(tiny_config(attnres_block_size=2))
-    ids = torch.randint(3, 97, (4, 16))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    first = None
-    for _ in range(5):
-        loss = model(ids, labels=ids).loss
-        first = first if first is not None else loss.item()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < first
+    assert_a_few_adamw_steps_lower_the_loss(model)
     assert not _at_init(model)
 
 

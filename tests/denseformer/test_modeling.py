@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaForCa
 
 from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
 from depthfusion_hf.models.denseformer.modeling_denseformer import dwa_sources
+from tests.causal_lm_checks import assert_a_few_adamw_steps_lower_the_loss
 from tests.kernels._dwa_cases import rel_rms
 
 from .helpers import randomise_dwa, tiny_config, tiny_llama_config
@@ -195,16 +196,7 @@ def test_bf16_forward_backward_matches_fp32():
 
 def test_loss_trains_dwa_weights():
     model = DenseFormerForCausalLM(tiny_config())
-    ids = torch.randint(3, 97, (4, 16))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    first = None
-    for _ in range(5):
-        loss = model(ids, labels=ids).loss
-        first = first if first is not None else loss.item()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < first
+    assert_a_few_adamw_steps_lower_the_loss(model)
     assert not _identity(model)
 
 
