@@ -207,10 +207,14 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def _launch_sets(*variables: str) -> bool:
+    """True when ``accelerate launch`` set any of these ``ACCELERATE_USE_*`` environment flags."""
+    return any(os.environ.get(name, "").lower() in ("1", "true") for name in variables)
+
+
 def sharded_training() -> bool:
     """True when ``accelerate launch`` runs FSDP or DeepSpeed (parameters may be sharded across ranks)."""
-    flags = (os.environ.get("ACCELERATE_USE_FSDP", ""), os.environ.get("ACCELERATE_USE_DEEPSPEED", ""))
-    return any(flag.lower() in ("1", "true") for flag in flags)
+    return _launch_sets("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 
 
 def get_last_checkpoint(output_dir: str | Path) -> str | None:
@@ -295,8 +299,7 @@ def warn_if_sharding_dropped(trainer: Trainer) -> None:
     launch config without a word, so an FSDP config on a CPU-only machine trains with plain DDP (every rank
     holds the whole model). The numbers are still right; the memory is not what the user asked for.
     """
-    fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-    if fsdp_asked and not trainer.is_fsdp_enabled:
+    if _launch_sets("ACCELERATE_USE_FSDP") and not trainer.is_fsdp_enabled:
         warnings.warn(
             "accelerate was launched with an FSDP config but the Trainer runs without FSDP (accelerate runs FSDP "
             "configs as DDP on machines without GPUs): every rank holds the full model. Use "
