@@ -61,6 +61,7 @@ import torch
 
 from depthfusion_hf.recipes.clm import TrainSettings, load_arch
 from depthfusion_hf.recipes.study import (
+    DEFAULT_MODELS,
     RunStore,
     compare_summary,
     compare_tables,
@@ -71,7 +72,6 @@ from depthfusion_hf.recipes.study import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODELS = "llama,denseformer:1x1,denseformer:4x5,moda,attnres:block8"
 # The main study: (dataset, depths) stages, each in its own sub-folder; seeds 0 1 2.
 STUDY_STAGES = (("kjv", (6, 12, 24)), ("plays", (12,)))
 STUDY_SEEDS = (0, 1, 2)

@@ -45,6 +45,7 @@ from transformers import AutoTokenizer, set_seed
 
 from depthfusion_hf.recipes.clm import BASELINE, TrainSettings, build_model, load_arch, train_one
 from depthfusion_hf.recipes.study import (
+    DEFAULT_MODELS,
     RunStore,
     best_scales,
     continuation_summary,
@@ -57,7 +58,6 @@ from depthfusion_hf.recipes.study import (
 from depthfusion_hf.safe_folder import check_target
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODELS = "llama,denseformer:1x1,denseformer:4x5,moda,attnres:block8"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -40,6 +40,9 @@ from .clm import BASELINE, DepthFusionTrainer, TrainSettings, build_config, buil
 # Model specs
 # ---------------------------------------------------------------------------------------------------
 
+# The models both studies compare by default: the Llama and one representative variant of every family.
+DEFAULT_MODELS = "llama,denseformer:1x1,denseformer:4x5,moda,attnres:block8"
+
 
 def _denseformer_spec(variant: str) -> dict[str, Any]:
     match = re.fullmatch(r"(\d+)x(\d+)", variant)
@@ -874,6 +877,7 @@ def continuation_tables(records: Sequence[dict], title: str = "") -> str:
 
 
 __all__ = [
+    "DEFAULT_MODELS",
     "ModelSpec",
     "PairedSummary",
     "RunOutcome",
