@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import statistics
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, machine_name  # noqa: E402
+from bench_common import git_commit, load_family_folder, machine_name  # noqa: E402
 from bench_models import check_same_function  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -45,14 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def load_attnres_folder(folder: Path, name: str = "attnres_before"):
     """Import a self-contained ``models/attnres`` folder (e.g. of an older checkout) as the package ``name``."""
-    if (folder / "src").is_dir():
-        folder = folder / "src" / "depthfusion_hf" / "models" / "attnres"
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_family_folder(folder, "attnres", name)
 
 
 def build(args) -> dict[str, torch.nn.Module]:

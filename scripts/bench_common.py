@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -81,3 +83,19 @@ def git_commit() -> str:
                               check=True).stdout.strip()
     except Exception:
         return "unknown"
+
+
+def load_family_folder(folder: Path, family: str, name: str):
+    """Import a self-contained ``models/<family>`` folder (e.g. of an older checkout) as the package ``name``.
+
+    ``folder`` is the family folder itself or a checkout (its ``src/depthfusion_hf/models/<family>`` is used),
+    so an old and a new version of the same family can be timed side by side in one process.
+    """
+    if (folder / "src").is_dir():
+        folder = folder / "src" / "depthfusion_hf" / "models" / family
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

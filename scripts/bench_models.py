@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import statistics
 import sys
@@ -45,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import DTYPES, clock, git_commit, machine_name, peak_memory_bytes, sync  # noqa: E402
+from bench_common import DTYPES, clock, git_commit, load_family_folder, machine_name, peak_memory_bytes, sync  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import depthfusion_hf  # noqa: E402
@@ -65,14 +64,7 @@ BEFORE_PACKAGE = "moda_before"  # the MoDA folder of another checkout (--before)
 
 def load_moda_folder(folder: Path, name: str = BEFORE_PACKAGE):
     """Import a self-contained ``models/moda`` folder (e.g. of an older checkout) as the package ``name``."""
-    if (folder / "src").is_dir():
-        folder = folder / "src" / "depthfusion_hf" / "models" / "moda"
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_family_folder(folder, "moda", name)
 
 
 def with_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
