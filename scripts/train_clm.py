@@ -16,11 +16,13 @@ Examples:
     python scripts/train_clm.py --dataset wikitext --dataset_config wikitext-103-raw-v1   # online
     python scripts/train_clm.py --train_files my.txt --validation_files val.txt
     python scripts/train_clm.py --init_from path/to/llama --model denseformer   # upcycle a Llama
+    python scripts/train_clm.py --init_from path/to/llama --model attnres --new_param_lr_scale 10
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import asdict
@@ -33,6 +35,7 @@ from depthfusion_hf.data.corpus import load_documents, pack_into_blocks, split_d
 from depthfusion_hf.families import FAMILIES, causal_lm_families
 from depthfusion_hf.recipes.clm import (
     BASELINE,
+    DepthFusionTrainer,
     TrainSettings,
     add_family_options,
     baseline_arch,
@@ -42,6 +45,7 @@ from depthfusion_hf.recipes.clm import (
     get_last_checkpoint,
     is_main_process,
     load_arch,
+    new_parameter_names,
     results_table,
     run_name,
     train_one,
@@ -60,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=str(REPO / "configs" / "clm_small.json"),
                    help="model config JSON (Llama-style fields)")
     p.add_argument("--init_from", default=None, help="upcycle this Llama checkpoint (folder or Hub id)")
+    p.add_argument("--new_param_lr_scale", type=float, default=1.0,
+                   help="with --init_from: the parameters the Llama lacks (DWA weights, depth K/V projections, "
+                        "AttnRes queries) train at this x --learning_rate; docs/RESULTS.md (upcycling) has the "
+                        "measured choice")
     p.add_argument("--dataset", default="kjv", help="'kjv' or 'plays' (built-in) or a Hub dataset id (online)")
     p.add_argument("--dataset_config", default=None, help="Hub dataset configuration name")
     p.add_argument("--text_column", default="text")
@@ -95,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max_steps must be >= 1; got {args.max_steps}")
     if args.logging_steps < 1:
         p.error(f"--logging_steps must be >= 1; got {args.logging_steps}")
+    if not args.new_param_lr_scale > 0:
+        p.error(f"--new_param_lr_scale must be > 0; got {args.new_param_lr_scale}")
+    if args.new_param_lr_scale != 1.0 and args.init_from is None:
+        p.error("--new_param_lr_scale applies to upcycling: give --init_from (a Llama checkpoint) with it")
     return args
 
 
@@ -159,8 +171,11 @@ def main(argv: list[str] | None = None) -> dict:
         figure = plot(trained, out, torch.tensor(val[0]["input_ids"])[None], f"{name}, {args.max_steps} steps")
         print(f"{FAMILIES[args.model].title} analysis plot: {figure}")
 
+    # Upcycling: the parameters the Llama lacks may train at their own rate (1x: one group, the stock optimiser).
+    trainer_class = functools.partial(DepthFusionTrainer, new_names=new_parameter_names(model),
+                                      new_param_lr_scale=args.new_param_lr_scale)
     runs = [train_one(name, model, train, val, out / args.model, settings, tokenizer, resume,
-                      analyse=analyse if plot is not None else None)]
+                      trainer_class=trainer_class, analyse=analyse if plot is not None else None)]
     if not args.no_baseline:
         set_seed(args.seed)
         base_arch = baseline_arch(model)

@@ -118,3 +118,26 @@ def test_trainer_does_not_decay_dwa_weights(tmp_path):
     assert "model.dwa.alphas" not in decayed
     assert "model.layers.0.mlp.up_proj.weight" in decayed and "model.embed_tokens.weight" in decayed
     assert not any("norm" in n for n in decayed)
+
+
+def test_upcycling_run_trains_the_new_parameters_at_their_own_rate(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256))
+    llama.save_pretrained(tmp_path / "llama")
+    out = tmp_path / "run"
+    # lr 1e-7 for the Llama's weights, 1e-7 x 1e5 = 1e-2 for the DWA weights: Adam moves each parameter by about
+    # its rate per step, so after 4 steps the pretrained weights are unchanged to ~1e-6 and the DWA weights are not.
+    proc = train_clm(TINY + ["--init_from", str(tmp_path / "llama"), "--max_steps", "4", "--eval_steps", "0",
+                             "--learning_rate", "1e-7", "--new_param_lr_scale", "1e5", "--warmup_ratio", "0",
+                             "--weight_decay", "0", "--no_baseline", "--output_dir", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(out / "denseformer" / "final")
+    alphas_moved = (model.model.dwa.alphas - model.model.dwa.identity_alphas()).abs().max().item()
+    trained, start = model.state_dict(), llama.state_dict()
+    llama_moved = max((trained[name] - start[name]).abs().max().item() for name in start if name in trained)
+    assert alphas_moved > 1e-3 and llama_moved < 1e-5, (alphas_moved, llama_moved)
+    proc = train_clm(TINY + ["--new_param_lr_scale", "10", "--output_dir", str(tmp_path / "x")], tmp_path)
+    assert proc.returncode == 2 and "--new_param_lr_scale applies to upcycling" in proc.stderr

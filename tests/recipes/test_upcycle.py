@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from depthfusion_hf.convert import llama_to_denseformer
 from depthfusion_hf.data.corpus import load_kjv_chapters
-from depthfusion_hf.recipes.study import ScaledLrTrainer, best_scales, new_parameter_names
+from depthfusion_hf.recipes.clm import DepthFusionTrainer, new_parameter_names
+from depthfusion_hf.recipes.study import best_scales
 
 from .test_compare_families import load_script
 
@@ -26,7 +27,7 @@ def test_new_parameters_get_their_own_learning_rate(tmp_path):
     assert new == ["model.dwa.alphas"]
     args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-3, weight_decay=0.1, report_to="none",
                              use_cpu=True)
-    optimizer = ScaledLrTrainer(model=model, args=args, new_prefixes=new, lr_scale=10.0).create_optimizer()
+    optimizer = DepthFusionTrainer(model=model, args=args, new_names=new, new_param_lr_scale=10.0).create_optimizer()
     alphas = model.model.dwa.alphas
     lr_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
     decay_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
@@ -34,7 +35,7 @@ def test_new_parameters_get_their_own_learning_rate(tmp_path):
     others = [p for p in model.parameters() if p is not alphas]
     assert {lr_of[id(p)] for p in others} == {1e-3}
     assert len(lr_of) == len(list(model.parameters()))  # every parameter in exactly one group
-    plain = ScaledLrTrainer(model=model, args=args, new_prefixes=new, lr_scale=1.0).create_optimizer()
+    plain = DepthFusionTrainer(model=model, args=args, new_names=new, new_param_lr_scale=1.0).create_optimizer()
     assert len(plain.param_groups) == 2
 
 
@@ -97,3 +98,28 @@ def test_upcycle_pretrains_continues_and_resumes(tmp_path, monkeypatch, capsys):
     assert script.main(args) == table  # a rerun trains nothing and reports the same
     log = capsys.readouterr().out
     assert "pre-trained Llama" in log and "(stored, skipped)" in log and log.count("stored, skipped") == 11
+
+
+@pytest.mark.parametrize("kind", ["denseformer", "moda", "attnres"])
+def test_new_parameters_default_to_those_a_same_shape_llama_lacks(kind):
+    from depthfusion_hf.families import FAMILIES
+
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=50))
+    model = FAMILIES[kind].from_llama(llama)
+    new = new_parameter_names(model)
+    assert new == new_parameter_names(model, llama.state_dict()) and new
+    assert sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in llama.parameters()) == sum(
+        p.numel() for n, p in model.named_parameters() if n in new)
+
+
+def test_an_unknown_new_parameter_name_is_refused(tmp_path):
+    model = llama_to_denseformer(LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                                              num_hidden_layers=2, num_attention_heads=2,
+                                                              num_key_value_heads=1, vocab_size=50)))
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match=r"new_names not among the model's parameters: \['model.dwa.alpha'\]"):
+        DepthFusionTrainer(model=model, args=args, new_names=["model.dwa.alpha"], new_param_lr_scale=2.0
+                           ).create_optimizer()
+    with pytest.raises(ValueError, match="new_param_lr_scale must be > 0; got 0"):
+        DepthFusionTrainer(model=model, args=args, new_param_lr_scale=0)

@@ -11,7 +11,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,17 +131,74 @@ def baseline_arch(model: PreTrainedModel) -> dict:
     return {k: v for k, v in fields.items() if k in LlamaConfig.__dataclass_fields__}
 
 
-class DepthFusionTrainer(Trainer):
-    """``Trainer`` that applies weight decay to matrices only (nanoGPT's rule, used by the DenseFormer paper).
+def new_parameter_names(model: PreTrainedModel, llama_names: Iterable[str] | None = None) -> list[str]:
+    """Names of ``model``'s parameters that a Llama does not have: what depth fusion added (DWA weights, MoDA's
+    FFN-side K/V projections, AttnRes pseudo-queries and key norms).
 
-    The stock rule decays every parameter except biases and norms, which would pull the DWA weights
-    (identity-initialised, ``alpha[i, i] = 1``) towards 0. Here no 1-D parameter is decayed.
+    Args:
+        llama_names: the Llama's parameter names (e.g. its ``state_dict()``); by default those of the same-shape
+            ``LlamaForCausalLM`` (built on the meta device, so nothing is allocated).
     """
+    if llama_names is None:
+        with torch.device("meta"):
+            llama_names = LlamaForCausalLM(LlamaConfig(**baseline_arch(model))).state_dict().keys()
+    known = set(llama_names)
+    return [name for name, _ in model.named_parameters() if name not in known]
+
+
+# Prefixes wrappers (DDP, FSDP1, activation checkpointing, torch.compile) put before the model's own names.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def _unwrapped_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if f"{part}." not in _WRAPPER_PREFIXES)
+
+
+class DepthFusionTrainer(Trainer):
+    """``Trainer`` that applies weight decay to matrices only (nanoGPT's rule, used by the DenseFormer paper), and
+    can train the parameters named ``new_names`` at ``new_param_lr_scale`` × the learning rate (upcycling: the
+    depth-fusion parameters start from scratch while the Llama's are pretrained).
+
+    The stock decay rule decays every parameter except biases and norms, which would pull the DWA weights
+    (identity-initialised, ``alpha[i, i] = 1``) towards 0. Here no 1-D parameter is decayed. The learning-rate
+    split happens when the optimiser is created, before the scheduler reads the groups' rates, so the schedule
+    (warm-up, cosine) applies to both rates alike.
+
+    Raises:
+        ValueError: ``new_param_lr_scale`` is not > 0, or a name of ``new_names`` is not a parameter of the model.
+    """
+
+    def __init__(self, *args, new_names: Sequence[str] = (), new_param_lr_scale: float = 1.0, **kwargs):
+        if not new_param_lr_scale > 0:
+            raise ValueError(f"new_param_lr_scale must be > 0; got {new_param_lr_scale}")
+        super().__init__(*args, **kwargs)
+        self.new_names = tuple(new_names)
+        self.new_param_lr_scale = float(new_param_lr_scale)
 
     def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
         """Names of the parameters that get weight decay: those of the stock rule with 2 or more dims."""
         names = set(super().get_decay_parameter_names(model))
         return [n for n, p in model.named_parameters() if n in names and p.dim() >= 2]
+
+    def create_optimizer(self, model=None):
+        """The stock optimiser; with a scale other than 1, each param group split into old and new parameters."""
+        optimizer = super().create_optimizer(model)
+        if not self.new_names or self.new_param_lr_scale == 1.0:
+            return optimizer
+        opt_model = self.model if model is None else model
+        wanted = set(self.new_names)
+        new_ids = {id(p) for n, p in opt_model.named_parameters() if _unwrapped_name(n) in wanted}
+        found = {_unwrapped_name(n) for n, _ in opt_model.named_parameters()} & wanted
+        if found != wanted:  # a silently unscaled parameter would be a wrong experiment
+            raise ValueError(f"new_names not among the model's parameters: {sorted(wanted - found)}")
+        for group in list(optimizer.param_groups):
+            new = [p for p in group["params"] if id(p) in new_ids]
+            if new:
+                group["params"] = [p for p in group["params"] if id(p) not in new_ids]
+                optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"},
+                                           "params": new, "lr": group["lr"] * self.new_param_lr_scale})
+        optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+        return optimizer
 
 
 @dataclass

@@ -26,7 +26,7 @@ import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,16 @@ from typing import Any
 from transformers import PreTrainedModel, TrainerCallback, set_seed
 
 from ..families import FAMILIES, causal_lm_families
-from .clm import BASELINE, DepthFusionTrainer, TrainSettings, build_config, build_model, run_name, train_one
+from .clm import (
+    BASELINE,
+    DepthFusionTrainer,
+    TrainSettings,
+    build_config,
+    build_model,
+    new_parameter_names,
+    run_name,
+    train_one,
+)
 
 # ---------------------------------------------------------------------------------------------------
 # Model specs
@@ -395,42 +404,6 @@ class WallClock(TrainerCallback):
         self.totals = {name: self._mark[name] - self._begin[name] - self._eval[name] for name in CLOCKS}
 
 
-class ScaledLrTrainer(DepthFusionTrainer):
-    """``DepthFusionTrainer`` whose parameters named with one of ``new_prefixes`` train at ``lr_scale`` × the rate.
-
-    The split happens when the optimiser is created, before the scheduler reads the groups' rates, so the
-    schedule (warm-up, cosine) applies to both rates alike.
-    """
-
-    def __init__(self, *args, new_prefixes: Sequence[str] = (), lr_scale: float = 1.0, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.new_prefixes = tuple(new_prefixes)
-        self.lr_scale = float(lr_scale)
-
-    def create_optimizer(self, model=None):
-        """The stock optimiser, each param group split into pretrained and new parameters."""
-        optimizer = super().create_optimizer(model)
-        if not self.new_prefixes or self.lr_scale == 1.0:
-            return optimizer
-        opt_model = self.model if model is None else model
-        new_ids = {id(p) for n, p in opt_model.named_parameters() if n.startswith(self.new_prefixes)}
-        groups = list(optimizer.param_groups)
-        for group in groups:
-            new = [p for p in group["params"] if id(p) in new_ids]
-            if new:
-                group["params"] = [p for p in group["params"] if id(p) not in new_ids]
-                optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"},
-                                           "params": new, "lr": group["lr"] * self.lr_scale})
-        optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
-        return optimizer
-
-
-def new_parameter_names(model: PreTrainedModel, llama_state: Iterable[str]) -> list[str]:
-    """Names of ``model``'s parameters that are not Llama parameters (the DWA / depth / AttnRes weights)."""
-    llama_names = set(llama_state)
-    return [n for n, _ in model.named_parameters() if n not in llama_names]
-
-
 @dataclass
 class RunOutcome:
     """One finished run: the ``train_one`` result plus the wall-clock curve."""
@@ -472,8 +445,8 @@ def train_recorded(
     clock = WallClock()
     settings = copy.deepcopy(settings)
     settings.extra = dict(settings.extra, eval_on_start=True, disable_tqdm=True)
-    trainer_class = functools.partial(ScaledLrTrainer, callbacks=[clock], new_prefixes=tuple(new_names),
-                                      lr_scale=new_param_lr_scale)
+    trainer_class = functools.partial(DepthFusionTrainer, callbacks=[clock], new_names=tuple(new_names),
+                                      new_param_lr_scale=new_param_lr_scale)
     with tempfile.TemporaryDirectory(prefix="study-run-") as scratch:
         out = Path(output_dir) if output_dir is not None else Path(scratch)
         result = train_one(name, model, data.train, data.validation, out, settings, data.tokenizer,
@@ -883,7 +856,6 @@ __all__ = [
     "RunOutcome",
     "RunStore",
     "SPEC_SHORTHANDS",
-    "ScaledLrTrainer",
     "SettingsMismatch",
     "StudyData",
     "WallClock",
