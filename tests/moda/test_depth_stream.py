@@ -7,6 +7,7 @@ import weakref
 import pytest
 import torch
 from torch.nn import functional as F
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, rotate_half
 
 import depthfusion_hf.models.moda.modeling_moda as modeling_moda
 from depthfusion_hf import MoDAForCausalLM, MoDAModel
@@ -246,14 +247,20 @@ def test_bad_token_inputs_raise(ids, message):
         tiny_model()(ids)
 
 
-def test_decode_step_equals_the_general_path(monkeypatch):
-    model = tiny_model(seed=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_key_value_heads": 4}, {"num_key_value_heads": 1}, {"moda_ffn_kv": False}, {"moda_depth_window": 2}],
+)
+def test_decode_step_equals_the_general_path(monkeypatch, overrides, dtype):
+    model = tiny_model(seed=2, **overrides).to(dtype)
     ids = torch.randint(3, 97, (2, 6))
     calls = []
     real = DepthStream.decode_step
 
     def counted(self, *args):
         calls.append(args)
+        assert self.keys is None  # one-token decoding keeps the entries as they are: no buffer, no copies
         return real(self, *args)
 
     monkeypatch.setattr(DepthStream, "decode_step", counted)
@@ -265,4 +272,24 @@ def test_decode_step_equals_the_general_path(monkeypatch):
             q, k, v, None, scale, start, stop, None)[0])
         cache.crop(-1)
         general = model(ids[:, 5:], cache=cache, use_cache=True).logits
-    assert_same(fast, general, torch.float32)
+    assert_same(fast, general, dtype)
+
+
+def test_output_attentions_of_a_decode_step_equal_the_full_forward():
+    model = tiny_model(seed=3)
+    ids = torch.randint(3, 97, (2, 6))
+    with torch.no_grad():
+        full = model(ids, output_attentions=True).attentions
+        cache = model(ids[:, :5], use_cache=True).cache
+        step = model(ids[:, 5:], cache=cache, use_cache=True, output_attentions=True).attentions
+    for layer, (a, b) in enumerate(zip(full, step)):
+        assert b.shape == (2, 4, 1, 6 + 2 * layer)  # [B, Hq, 1, S + M_l]
+        assert_same(b, a[:, :, -1:], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_depth_key_rotation_is_llamas_bit_for_bit(dtype):
+    key = torch.randn(2, 5, 3, 12, dtype=torch.float64).to(dtype).transpose(1, 2)  # (B, Hkv, T, d), strided
+    cos, sin = LlamaRotaryEmbedding(tiny_config())(key, torch.arange(5).unsqueeze(0) + 7)  # (1, T, d = 12)
+    expected = key * cos.unsqueeze(1) + rotate_half(key) * sin.unsqueeze(1)  # Llama's apply_rotary_pos_emb
+    assert torch.equal(modeling_moda.rotate_depth_key(key, modeling_moda.depth_rotary(cos, sin)), expected)

@@ -28,9 +28,10 @@ never checked against the buffer's version counter, which is sound because a slo
 read; under gradient checkpointing (a recomputed layer would write again) the model uses the tuple
 path instead (see ``modeling_moda``).
 
-Without gradients (inference, cached decoding) the same buffers are used with no Function at all:
-one in-place write per entry and one attention call on a view per layer, with the backend resolved
-once per forward pass.
+Without gradients (inference) the same buffers are used with no Function at all: one in-place write
+per entry and one attention call on a view per layer, with the backend resolved once per forward
+pass. A one-token decoding step keeps no buffer: the entries stay the tensors they were written as,
+and each layer runs one SDPA call over ``[sequence keys | its depth entries]`` concatenated.
 
 This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied
 next to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
@@ -41,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.nn import functional as F
 
 from .moda_attention import (
     _FLASH_CPU,
@@ -166,7 +168,9 @@ class DepthStream:
     Attributes:
         keys, values: [B, Hkv, T, M_max, d], allocated by the first :meth:`attend` (from its ``k``'s
             heads, head size, dtype and device, so a tensor-parallel shard gets its own heads);
-            slot ``m`` holds entry ``m`` once written.
+            slot ``m`` holds entry ``m`` once written. Not allocated for one-token decoding without
+            gradients (T = 1, no mask, the fast path): the entries are then kept as written, each
+            [B, Hkv, 1, d], and each reader concatenates its window behind its sequence keys (:meth:`decode_step`).
         fast: the stream's own CPU path runs the attention (fp32 / fp64 with the ``torch`` backend);
             otherwise ``moda_attention``'s functional API does (Triton, half precision).
 
@@ -190,6 +194,7 @@ class DepthStream:
     def __init__(self, capacity: int, num_readers: int, backend: str, track_grad: bool):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self._allocated = False
         self.capacity = capacity
         self.num_readers = num_readers
         self.backend = backend
@@ -205,12 +210,20 @@ class DepthStream:
         self._entry_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # formed ahead of their writer
         self._masks: dict[int, tuple] = {}
         self._reset_queued = False
+        # One-token decoding without gradients: the entries are kept as they are (no buffer, no copy) and each
+        # reader concatenates its window behind its sequence keys (see :meth:`decode_step`).
+        self._entry_lists: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def _allocate(self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         self.shape = (q.shape[0], k.shape[1], q.shape[2], self.capacity, k.shape[3])  # (B, Hkv, T, M_max, d)
+        self.dtype, self.device = k.dtype, k.device
+        self.fast = _fast_cpu_applies(q, attention_mask, self.backend)
+        self._allocated = True
+        if self.fast and not self.track_grad and q.shape[2] == 1 and attention_mask is None:
+            self._entry_lists = ([], [])
+            return
         self.keys = k.new_empty(self.shape)
         self.values = k.new_empty(self.shape)
-        self.fast = _fast_cpu_applies(q, attention_mask, self.backend)
 
     def write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write entry ``slot``: ``key``, ``value`` [B, Hkv, T, d] are copied once into the buffers.
@@ -219,10 +232,16 @@ class DepthStream:
         recomputation of gradient checkpointing: the values are copied without autograd tracking (all
         readers of that slot have run their backward by then, and the recomputed graph is discarded).
         """
-        if self.keys is None or slot > self.written or slot >= self.capacity:
+        if not self._allocated or slot > self.written or slot >= self.capacity:
             raise RuntimeError(
                 f"DepthStream: entry {slot} written out of order ({self.written} of {self.capacity} slots written)"
             )
+        if self._entry_lists is not None:
+            if slot == self.written:
+                self._entry_lists[0].append(key)
+                self._entry_lists[1].append(value)
+                self.written += 1
+            return
         track = self.track_grad and torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
         if track and slot == self.written:
             self._token = _StreamWrite.apply(self, slot, self._token, key, value)
@@ -240,8 +259,13 @@ class DepthStream:
 
     def window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots ``[start, stop)`` as views ``depth_k``, ``depth_v`` [B, Hkv, T, stop - start, d] (no copy)."""
-        if self.keys is None or not 0 <= start <= stop <= self.written:
+        if not self._allocated or not 0 <= start <= stop <= self.written:
             raise RuntimeError(f"DepthStream: window [{start}, {stop}) outside the {self.written} written slots")
+        if self._entry_lists is not None:  # one-token decoding: a stacked copy (only analysis reads it this way)
+            if stop == start:
+                empty = torch.empty(*self.shape[:3], 0, self.shape[4], dtype=self.dtype, device=self.device)
+                return empty, empty
+            return tuple(torch.stack(entries[start:stop], dim=3) for entries in self._entry_lists)
         return self.keys[:, :, :, start:stop], self.values[:, :, :, start:stop]
 
     def needs_grad(self, start: int, stop: int) -> bool:
@@ -258,8 +282,11 @@ class DepthStream:
         Returns:
             [B, Hq, T, d] in q's dtype (causal).
         """
-        if self.keys is None:
+        if not self._allocated:
             self._allocate(q, k, attention_mask)
+        if self._entry_lists is not None:  # one-token decoding without gradients (see _allocate)
+            self.reads += 1
+            return self.decode_step(q, k, v, scale, start, stop)
         reader = self.reads
         self.reads += 1
         tracked = self.track_grad and torch.is_grad_enabled() and (
@@ -298,25 +325,28 @@ class DepthStream:
 
     def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int,
                     stop: int) -> torch.Tensor:
-        """One query token per sequence, no mask (cached greedy decoding): a handful of small products.
+        """One query token per sequence, no mask (cached greedy decoding): one concatenation, one SDPA call.
 
-        The query sits at the last of the S positions, so causality hides nothing; the logits over
-        ``[S sequence keys | M depth entries]`` are small enough to materialise: one softmax, two products.
+        The query sits at the last of the S positions, so causality hides nothing: the joint softmax over
+        ``[S sequence keys | M depth entries]`` is plain attention over the concatenated keys and values,
+        which SDPA computes in one fused call. A GQA group's G query heads become G query rows of their KV
+        head (no K/V repeat).
 
         Args:
             q: [B, Hq, 1, d]; k, v: [B, Hkv, S, d]. Returns [B, Hq, 1, d].
         """
         batch, num_q_heads, _, head_dim = q.shape
-        num_kv_heads, kv_len = k.shape[1], k.shape[2]
-        q_heads = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # (B, Hkv, G, d)
-        depth_k, depth_v = self.window(start, stop)
-        depth_k, depth_v = depth_k.squeeze(2), depth_v.squeeze(2)  # (B, Hkv, M, d)
-        logits = torch.cat([q_heads @ k.transpose(-1, -2), q_heads @ depth_k.transpose(-1, -2)], dim=-1)
-        probs = torch.softmax(logits.mul_(scale), dim=-1)  # (B, Hkv, G, S + M)
-        out = torch.baddbmm(
-            (probs[..., :kv_len] @ v).flatten(0, 1), probs[..., kv_len:].flatten(0, 1), depth_v.flatten(0, 1)
-        ) if stop > start else probs @ v
-        return out.view(batch, num_q_heads, 1, head_dim)
+        num_kv_heads = k.shape[1]
+        if stop > start:
+            if self._entry_lists is not None:
+                k = torch.cat([k, *self._entry_lists[0][start:stop]], dim=2)  # (B, Hkv, S + M, d)
+                v = torch.cat([v, *self._entry_lists[1][start:stop]], dim=2)
+            else:
+                depth_k, depth_v = self.window(start, stop)  # (B, Hkv, 1, M, d)
+                k, v = torch.cat([k, depth_k.squeeze(2)], dim=2), torch.cat([v, depth_v.squeeze(2)], dim=2)
+        q_rows = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # (B, Hkv, G, d)
+        out = F.scaled_dot_product_attention(q_rows, k, v, scale=scale)  # (B, Hkv, G, d)
+        return out.reshape(batch, num_q_heads, 1, head_dim)
 
     def fast_forward(self, q, k, v, attention_mask, scale: float, start: int, stop: int, reader: int | None):
         """The attention on CPU (fp32 / fp64) without autograd: ``(out [B, Hq, T, d], saved)``.
