@@ -28,6 +28,7 @@ AttnRes is per token, so cached decoding needs only the ordinary KV cache.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -51,13 +52,19 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .attnres import (
+    DepthBuffer,
+    acquire_depth_buffer,
     attention_residual,
     attention_residual_with_backend,
     caches_source_norms,
     resolve_backend,
     source_inv_rms,
+    uses_depth_buffer,
 )
 from .configuration_attnres import AttnResConfig
+
+# Each model's DepthBuffers, reused from one cached-decoding forward to the next.
+DEPTH_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def starts_block(sublayer: int, block_size: int) -> bool:
@@ -72,6 +79,21 @@ def add_to_depth_state(
     if new_block:
         return (*sources, output)
     return (*sources[:-1], sources[-1] + output)
+
+
+def num_depth_sources(config: AttnResConfig) -> int:
+    """The most sources a call reads: the embedding and every sub-layer output (full), or every block sum."""
+    return 1 + -(-2 * config.num_hidden_layers // config.effective_block_size)
+
+
+def grow_depth_state(
+    sources: tuple[torch.Tensor, ...], output: torch.Tensor, new_block: bool, buffer: DepthBuffer | None
+) -> tuple[torch.Tensor, ...]:
+    """:func:`add_to_depth_state`, or (with the forward's :class:`DepthBuffer`) the write into the buffer."""
+    if buffer is None:
+        return add_to_depth_state(sources, output, new_block)
+    buffer.write(output, new_source=new_block)
+    return sources
 
 
 def add_to_norm_state(
@@ -96,6 +118,9 @@ class AttnResForwardState:
         # Whether the layers carry each source's inverse norm next to it (computed once per source, not per
         # call; see ``caches_source_norms``); set by the model forward, once.
         self.cache_norms = False
+        # Without gradients over few tokens (cached decoding; see ``uses_depth_buffer``) the sources live here,
+        # and the layers pass no source tensors; set by the model forward, once.
+        self.buffer: DepthBuffer | None = None
 
     def backend(self, device: torch.device) -> str:
         """The op backend for ``device``, resolved on first use (``$DEPTHFUSION_BACKEND`` or automatic)."""
@@ -194,7 +219,7 @@ class AttnResMix(nn.Module):
 
     def forward(
         self,
-        sources: tuple[torch.Tensor, ...],
+        sources: tuple[torch.Tensor, ...] | DepthBuffer,
         backend: str | None = None,
         return_weights: bool = False,
         inv_rms: tuple[torch.Tensor, ...] | None = None,
@@ -202,11 +227,15 @@ class AttnResMix(nn.Module):
         """Mix ``sources`` (N tensors [B, T, D]) into h [B, T, D] (and alpha [B, T, N] float32 if asked).
 
         Args:
+            sources: the N sources, or the forward's :class:`DepthBuffer` holding them (the torch backend's
+                path without gradients; ``backend`` and ``inv_rms`` are then unused).
             backend: a backend already resolved by ``resolve_backend`` (the model resolves once per forward
                 and device); None validates and resolves like the public op.
             return_weights: also return the softmax weights alpha.
             inv_rms: with a resolved backend, optionally ``source_inv_rms`` of each source ([B, T] each).
         """
+        if isinstance(sources, DepthBuffer):
+            return sources.mix(self.query, self.key_norm_weight, return_weights)
         if backend is None:
             return attention_residual(self.query, sources, self.key_norm_weight, eps=self.eps,
                                       return_weights=return_weights)
@@ -253,7 +282,8 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             hidden_states: h, the attention sub-layer's input [B, T, D] (the previous layer's output).
             sources: the depth state h was mixed from, each [B, T, D] (positional, so that reentrant
                 gradient checkpointing passes their gradients); when ``attnres_state.cache_norms``, followed
-                by their inverse norms ``source_inv_rms`` ([B, T] each, as many as sources).
+                by their inverse norms ``source_inv_rms`` ([B, T] each, as many as sources); none when the
+                state is ``attnres_state.buffer`` (a ``DepthBuffer``: no gradients, few tokens).
             attnres_state: the model forward's shared state (resolved backends, the softmax-weight record);
                 None (a layer called on its own) lets the public op validate and resolve.
         Returns:
@@ -262,6 +292,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         """
         backend = attnres_state.backend(hidden_states.device) if attnres_state is not None else None
         record = attnres_state.depth_weights if attnres_state is not None else None
+        buffer = attnres_state.buffer if attnres_state is not None else None
         norms = None
         if attnres_state is not None and attnres_state.cache_norms:
             sources, norms = sources[: len(sources) // 2], sources[len(sources) // 2 :]
@@ -274,15 +305,17 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        sources = add_to_depth_state(sources, attn_out, self.attn_starts_block)
+        sources = grow_depth_state(sources, attn_out, self.attn_starts_block, buffer)
         if norms is not None:
             norms = add_to_norm_state(norms, sources, self.attn_starts_block, self.mlp_res.eps)
-        hidden_states = self._mix(self.mlp_res, sources, backend, record, norms)  # differs from Llama: + attn_out
+        # differs from Llama: + attn_out
+        hidden_states = self._mix(self.mlp_res, buffer or sources, backend, record, norms)
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
-        sources = add_to_depth_state(sources, mlp_out, self.mlp_starts_block)
+        sources = grow_depth_state(sources, mlp_out, self.mlp_starts_block, buffer)
         if norms is not None:
             norms = add_to_norm_state(norms, sources, self.mlp_starts_block, self.output_res.eps)
-        hidden_states = self._mix(self.output_res, sources, backend, record, norms)  # differs from Llama: + mlp_out
+        # differs from Llama: + mlp_out
+        hidden_states = self._mix(self.output_res, buffer or sources, backend, record, norms)
         return (hidden_states, *sources, *(norms or ()))
 
     @staticmethod
@@ -401,9 +434,56 @@ class AttnResModel(AttnResPreTrainedModel):
         sources: tuple[torch.Tensor, ...] = (inputs_embeds,)
         # backends resolved once per device and forward (not per AttnRes call); the softmax weights if asked
         state = AttnResForwardState(record_weights=output_depth_weights)
+        backend = state.backend(inputs_embeds.device)
+        if uses_depth_buffer(backend, inputs_embeds):  # cached decoding: the sources in one buffer, none passed
+            state.buffer = self.start_depth_buffer(inputs_embeds)
+            sources = ()
         # Each source's inverse norm computed once (when written) and passed to every call reading it.
-        state.cache_norms = caches_source_norms(state.backend(inputs_embeds.device), inputs_embeds)
+        state.cache_norms = caches_source_norms(backend, inputs_embeds)
         norms = (source_inv_rms(inputs_embeds, self.config.rms_norm_eps),) if state.cache_norms else ()
+        try:
+            hidden_states = self.run_layers(hidden_states, sources, norms, state, causal_mask, position_embeddings,
+                                            position_ids, cache, use_cache, **kwargs)
+        finally:
+            if state.buffer is not None:
+                state.buffer.lock.release()
+
+        hidden_states = self.norm(hidden_states)
+        return AttnResModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            cache=cache,
+            depth_weights=tuple(state.depth_weights) if output_depth_weights else None,
+        )
+
+    def start_depth_buffer(self, inputs_embeds: torch.Tensor) -> DepthBuffer:
+        """A locked :class:`DepthBuffer` holding the embedding [B, T, D] and every call's key.
+
+        The buffers are kept between forwards (in a module-level weak dictionary, not on the model: copies and
+        pickles of the model do not carry them).
+        """
+        pool = DEPTH_BUFFERS.setdefault(self, [])
+        layers = self.layers[: self.config.num_hidden_layers]
+        calls = [mix for layer in layers for mix in (layer.mlp_res, layer.output_res)]
+        buffer = acquire_depth_buffer(pool, inputs_embeds, num_depth_sources(self.config), len(calls),
+                                      self.config.rms_norm_eps)
+        buffer.start(inputs_embeds, [mix.query for mix in calls], [mix.key_norm_weight for mix in calls])
+        return buffer
+
+    def run_layers(
+        self,
+        hidden_states: torch.Tensor,
+        sources: tuple[torch.Tensor, ...],
+        norms: tuple[torch.Tensor, ...],
+        state: AttnResForwardState,
+        causal_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_ids: torch.LongTensor,
+        cache: Cache | None,
+        use_cache: bool | None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        """The decoder layers over h [B, T, D] and the depth state (``sources`` and ``norms``, or
+        ``state.buffer``); returns h_final [B, T, D]."""
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, *depth = decoder_layer(
                 hidden_states,
@@ -418,13 +498,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 **kwargs,
             )
             sources, norms = (depth[: len(depth) // 2], depth[len(depth) // 2 :]) if state.cache_norms else (depth, ())
-
-        hidden_states = self.norm(hidden_states)
-        return AttnResModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            cache=cache,
-            depth_weights=tuple(state.depth_weights) if output_depth_weights else None,
-        )
+        return hidden_states
 
     @torch.no_grad()
     def depth_attention_weights(
