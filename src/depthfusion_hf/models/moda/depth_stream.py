@@ -5,9 +5,10 @@ them as a tuple and stacking them per layer (``torch.stack`` into a fresh ``[B, 
 copies ``O(L^2)`` entries per forward, and in the backward every reading layer returns its own
 ``[.., M_l, d]`` gradient that autograd then sums per entry. :class:`DepthStream` removes both:
 
-- **Forward.** One token-major buffer per pool, ``keys`` / ``values`` [B, Hkv, T, M_max, d]. Entry
-  ``m`` is copied into slot ``m`` once (:meth:`DepthStream.write`); layer ``l`` reads its window of
-  slots ``[start, stop)`` as a strided view (no copy) and runs the attention on it
+- **Forward.** One slot-major buffer per pool, ``keys`` / ``values`` [M_max, B, Hkv, T, d]. Entry
+  ``m`` is copied into slot ``m`` (one contiguous block) once (:meth:`DepthStream.write`); layer ``l``
+  reads its window of slots ``[start, stop)`` as a strided view (no copy; [B, Hkv, T, M, d] for the op,
+  [N, M, d] per-token matrices for the CPU products) and runs the attention on it
   (:meth:`DepthStream.attend`). A slot is never written again after it has been read.
 - **Backward.** Each reading layer adds its depth gradient in place into a stream-owned gradient
   buffer of the same layout (no per-entry autograd sums, no per-reader graph edges); when the
@@ -79,6 +80,11 @@ def _from_rows(x: torch.Tensor, batch: int, num_kv_heads: int, tokens: int) -> t
     return x.reshape(batch, num_kv_heads * group, tokens, head_dim)
 
 
+def _token_view(slots: torch.Tensor) -> torch.Tensor:
+    """Slot-major slots [M, B, Hkv, T, d] as the op's depth layout [B, Hkv, T, M, d] (a view, no copy)."""
+    return slots.permute(1, 2, 3, 0, 4)
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Gradients of half-precision entries are summed over their readers in float32 and rounded once."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -102,8 +108,8 @@ class _StreamWrite(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, stream: DepthStream, slot: int, token: torch.Tensor | None, key, value):  # noqa: D102
-        stream.keys[:, :, :, slot].copy_(key)
-        stream.values[:, :, :, slot].copy_(value)
+        stream.keys[slot].copy_(key)
+        stream.values[slot].copy_(value)
         ctx.stream, ctx.slot, ctx.has_token = stream, slot, token is not None
         ctx.key_dtype, ctx.value_dtype = key.dtype, value.dtype
         return key.new_empty(0)
@@ -148,14 +154,14 @@ class _StreamRead(torch.autograd.Function):
             into = None
             if depth:
                 grad_keys, grad_values = stream.gradient_buffers()
-                into = (grad_keys[:, :, :, ctx.start:ctx.stop], grad_values[:, :, :, ctx.start:ctx.stop])
+                into = (_token_view(grad_keys[ctx.start:ctx.stop]), _token_view(grad_values[ctx.start:ctx.stop]))
             grad_q, grad_k, grad_v, _, _ = moda_backward_from(ctx.saved, grad_out, needs + (False, False), into)
         token_grad = grad_out.new_zeros(0) if ctx.has_token else None
         return None, None, None, None, None, None, token_grad, grad_q, grad_k, grad_v
 
 
 class DepthStream:
-    """The depth entries of one forward pass in two preallocated token-major buffers.
+    """The depth entries of one forward pass in two preallocated slot-major buffers.
 
     Args:
         capacity: M_max, the number of entries the pass writes (slots ``0 .. M_max-1``, write order).
@@ -166,7 +172,7 @@ class DepthStream:
             must only be used without gradients.
 
     Attributes:
-        keys, values: [B, Hkv, T, M_max, d], allocated by the first :meth:`attend` (from its ``k``'s
+        keys, values: [M_max, B, Hkv, T, d], allocated by the first :meth:`attend` (from its ``k``'s
             heads, head size, dtype and device, so a tensor-parallel shard gets its own heads);
             slot ``m`` holds entry ``m`` once written. Not allocated for one-token decoding without
             gradients (T = 1, no mask, the fast path): the entries are then kept as written, each
@@ -206,7 +212,10 @@ class DepthStream:
         self._readers_of: list[list[int]] = [[] for _ in range(capacity)]  # per slot: the tracked readers
         self._token: torch.Tensor | None = None
         self._grads: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._products: dict[str, torch.Tensor] = {}  # fast path: q, P (forward) and dO, dS (backward) per reader
+        # Fast path, per reader: "qdO" [N, R G, 2, d] holds q (forward) and dO (backward) side by side, "P" (forward)
+        # and "dS" (backward) [N, M_max, R G] the depth probabilities and logit gradients.
+        self._products: dict[str, torch.Tensor] = {}
+        self._stale_grad_out = False  # the dO half of "qdO" holds an earlier backward's values
         self._entry_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # formed ahead of their writer
         self._masks: dict[int, tuple] = {}
         self._reset_queued = False
@@ -222,8 +231,9 @@ class DepthStream:
         if self.fast and not self.track_grad and q.shape[2] == 1 and attention_mask is None:
             self._entry_lists = ([], [])
             return
-        self.keys = k.new_empty(self.shape)
-        self.values = k.new_empty(self.shape)
+        slot_major = (self.capacity, *self.shape[:3], self.shape[4])  # (M_max, B, Hkv, T, d)
+        self.keys = k.new_empty(slot_major)
+        self.values = k.new_empty(slot_major)
 
     def write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write entry ``slot``: ``key``, ``value`` [B, Hkv, T, d] are copied once into the buffers.
@@ -247,8 +257,8 @@ class DepthStream:
             self._token = _StreamWrite.apply(self, slot, self._token, key, value)
         else:
             with torch.no_grad():
-                self.keys[:, :, :, slot].copy_(key)
-                self.values[:, :, :, slot].copy_(value)
+                self.keys[slot].copy_(key)
+                self.values[slot].copy_(value)
         if slot == self.written:
             self._entry_grad[slot] = track
             self.written += 1
@@ -266,7 +276,7 @@ class DepthStream:
                 empty = torch.empty(*self.shape[:3], 0, self.shape[4], dtype=self.dtype, device=self.device)
                 return empty, empty
             return tuple(torch.stack(entries[start:stop], dim=3) for entries in self._entry_lists)
-        return self.keys[:, :, :, start:stop], self.values[:, :, :, start:stop]
+        return _token_view(self.keys[start:stop]), _token_view(self.values[start:stop])
 
     def needs_grad(self, start: int, stop: int) -> bool:
         """Whether any entry in slots ``[start, stop)`` was written with autograd tracking."""
@@ -348,14 +358,24 @@ class DepthStream:
         out = F.scaled_dot_product_attention(q_rows, k, v, scale=scale)  # (B, Hkv, G, d)
         return out.reshape(batch, num_q_heads, 1, head_dim)
 
+    def _rows_window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[start, stop)`` as per-token matrices ``keys``, ``values`` [N, M, d] (N = B Hkv T): views of the
+        slot-major buffers whose every slot is one contiguous [N, d] block, the operand layout CPU ``bmm`` reads
+        without a copy (a token-major window, [N, M_max, d] sliced, is copied first and then read again)."""
+        num_entries, head_dim = stop - start, self.shape[4]
+        if self._entry_lists is not None:  # one-token decoding keeps no buffer: a stacked copy
+            slots = tuple(torch.stack(entries[start:stop]) for entries in self._entry_lists)
+        else:
+            slots = (self.keys[start:stop], self.values[start:stop])
+        return tuple(x.view(num_entries, -1, head_dim).transpose(0, 1) for x in slots)
+
     def fast_forward(self, q, k, v, attention_mask, scale: float, start: int, stop: int, reader: int | None):
         """The attention on CPU (fp32 / fp64) without autograd: ``(out [B, Hq, T, d], saved)``.
 
         Exact merge of the sequence pool (SDPA's flash kernel: output ``o_s`` and log-sum-exp ``lse_s``)
         with the depth logits ``l``: with ``Z = exp(lse_s) + sum_m exp(l_m)``, ``out = exp(lse_s) / Z o_s +
-        sum_m exp(l_m) / Z v_m`` (computed relative to the row maximum). The window is copied to
-        contiguous [N, M, d] blocks first: CPU ``bmm`` on the strided slots copies them anyway and then
-        runs several times slower in the other orientation. With ``reader`` (entries need gradients) the
+        sum_m exp(l_m) / Z v_m`` (computed relative to the row maximum). The depth products read the
+        window in place (:meth:`_rows_window`). With ``reader`` (entries need gradients) the
         probabilities and the queries are kept in the stream's product buffers for the writers' backward.
         """
         batch, num_q_heads, q_len, head_dim = q.shape
@@ -374,8 +394,7 @@ class DepthStream:
             return out_seq, saved
         tokens = batch * num_kv_heads * q_len
         depth_k, depth_v = self.window(start, stop)
-        keys3 = depth_k.reshape(tokens, num_entries, head_dim).contiguous()  # (N, M, d)
-        values3 = depth_v.reshape(tokens, num_entries, head_dim).contiguous()
+        keys3, values3 = self._rows_window(start, stop)  # (N, M, d) each, views
         q_rows = _to_rows(q, num_kv_heads)  # (N, G, d)
         logits = torch.bmm(q_rows, keys3.transpose(1, 2)).mul_(scale)  # (N, G, M)
         lse_rows = _to_rows(lse_seq.to(logits.dtype).unsqueeze(-1), num_kv_heads).squeeze(-1)  # (N, G)
@@ -392,7 +411,7 @@ class DepthStream:
         if reader is not None:
             rows = slice(reader * group, (reader + 1) * group)
             shape = (tokens, self.num_readers * group)
-            self._product_buffer("q", (*shape, head_dim), q)[:, rows] = q_rows
+            self._product_buffer("qdO", (*shape, 2, head_dim), q)[:, rows, 0] = q_rows
             self._product_buffer("P", (tokens, self.capacity, shape[1]), q)[:, start:stop, rows] = probs.transpose(1, 2)
         saved = (q, k, v, out, lse_kernel, alpha, mask, is_causal, scale, probs)
         return out, saved
@@ -409,24 +428,25 @@ class DepthStream:
                                         attn_mask=mask, scale=scale)
             return tuple(g if need else None for g, need in zip(grads, needs))
         probs = saved[9]  # (N, G, M)
-        tokens, num_entries = probs.shape[0], probs.shape[2]
+        tokens = probs.shape[0]
         grad_rows = _to_rows(grad_out, num_kv_heads)  # (N, G, d)
         grad_seq = _from_rows(alpha.unsqueeze(-1) * grad_rows, batch, num_kv_heads, q_len)
         grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(grad_seq, q, k, v, out, lse_kernel, 0.0, is_causal,
                                                      attn_mask=mask, scale=scale)
-        depth_k, depth_v = self.window(start, stop)
-        values3 = depth_v.reshape(tokens, num_entries, head_dim).contiguous()  # (N, M, d), see fast_forward
+        keys3, values3 = self._rows_window(start, stop)  # (N, M, d) each, views
         delta = (grad_rows * _to_rows(out, num_kv_heads)).sum(dim=-1)  # D = rowsum(dO * out), (N, G)
         grad_probs = torch.bmm(grad_rows, values3.transpose(1, 2))  # (N, G, M)
         grad_logits = grad_probs.sub_(delta.unsqueeze(-1)).mul_(probs).mul_(scale)  # dS = P (dP - D) scale
         if needs[0]:
-            keys3 = depth_k.reshape(tokens, num_entries, head_dim).contiguous()
             grad_q_rows = torch.bmm(grad_logits, keys3)  # (N, G, d)
             grad_q = grad_q + _from_rows(grad_q_rows, batch, num_kv_heads, q_len)
         if reader is not None:
             rows = slice(reader * group, (reader + 1) * group)
             shape = (tokens, self.num_readers * group)
-            self._product_buffer("dO", (*shape, head_dim), grad_rows)[:, rows] = grad_rows
+            if self._stale_grad_out:  # a second backward through a retained graph: readers that skip it add 0
+                self._products["qdO"][:, :, 1].zero_()
+                self._stale_grad_out = False
+            self._products["qdO"][:, rows, 1] = grad_rows
             self._product_buffer("dS", (tokens, self.capacity, shape[1]), grad_rows)[
                 :, start:stop, rows] = grad_logits.transpose(1, 2)
             self._queue_reset()
@@ -440,7 +460,7 @@ class DepthStream:
         batch, num_kv_heads, q_len, _, head_dim = self.shape
         if not self.fast:
             grad_keys, grad_values = self.gradient_buffers()
-            return grad_keys[:, :, :, slot], grad_values[:, :, :, slot]
+            return grad_keys[slot], grad_values[slot]
         if slot in self._entry_grads:
             return self._entry_grads.pop(slot)
         readers = self._readers_of[slot]
@@ -450,20 +470,30 @@ class DepthStream:
         # The slot just before (the same layer's attention entry when this is its FFN entry) has the same
         # readers and its writer runs next: one product forms both gradients (one read of q and dO).
         first = slot - 1 if slot > 0 and self._readers_of[slot - 1] == readers and self._entry_grad[slot - 1] else slot
-        group = self._products["q"].shape[1] // self.num_readers
+        qdo = self._products["qdO"]  # (N, R G, 2, d)
+        group = qdo.shape[1] // self.num_readers
         rows = slice(min(readers) * group, (max(readers) + 1) * group)  # readers between that skip it have dS = 0
-        grad_keys = torch.bmm(self._products["dS"][:, first:slot + 1, rows], self._products["q"][:, rows])  # (N, n, d)
-        grad_values = torch.bmm(self._products["P"][:, first:slot + 1, rows], self._products["dO"][:, rows])
+        # dK = dS q and dV = P dO as ONE batched product with a block-diagonal left operand over the interleaved
+        # [q_r; dO_r] rows: [[dS, 0], [0, P]] @ [q; dO]. Per token it is a [2n, 2R] @ [2R, d] product; two
+        # separate [n, R] @ [R, d] ones are below the size where CPU bmm leaves its slow scalar loop (R <= 3)
+        # and pay the per-matrix overhead twice. The zeros add exact zeros (reassociation only).
+        tokens, num_rows, count = qdo.shape[0], rows.stop - rows.start, slot + 1 - first
+        left = qdo.new_zeros(tokens, 2, count, num_rows, 2)
+        left[:, 0, :, :, 0] = self._products["dS"][:, first:slot + 1, rows]
+        left[:, 1, :, :, 1] = self._products["P"][:, first:slot + 1, rows]
+        products = torch.bmm(left.view(tokens, 2 * count, 2 * num_rows), qdo[:, rows].view(tokens, 2 * num_rows, -1))
+        grad_keys, grad_values = products[:, :count], products[:, count:]  # (N, n, d) each
         shape = (batch, num_kv_heads, q_len, head_dim)
         if first < slot:
             self._entry_grads[first] = (grad_keys[:, 0].view(shape), grad_values[:, 0].view(shape))
         return grad_keys[:, -1].view(shape), grad_values[:, -1].view(shape)
 
     def gradient_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Generic path: the gradient buffers [B, Hkv, T, M_max, d] (zeroed at the first use in a backward pass)."""
+        """Generic path: the gradient buffers [M_max, B, Hkv, T, d], slot-major like the entries (zeroed at the
+        first use in a backward pass)."""
         if self._grads is None:
             dtype = _accumulation_dtype(self.keys.dtype)
-            self._grads = (torch.zeros(self.keys.shape, dtype=dtype, device=self.keys.device),
+            self._grads = (torch.zeros(self.keys.shape, dtype=dtype, device=self.keys.device),  # slot-major
                            torch.zeros(self.values.shape, dtype=dtype, device=self.values.device))
             self._queue_reset()
         return self._grads
@@ -478,7 +508,7 @@ class DepthStream:
         self._grads = None
         self._entry_grads.clear()
         self._products.pop("dS", None)
-        self._products.pop("dO", None)
+        self._stale_grad_out = "qdO" in self._products
         self._reset_queued = False
 
 
