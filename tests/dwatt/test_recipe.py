@@ -145,3 +145,19 @@ def test_selected_settings_of_a_study_replace_the_rates_and_steps_of_their_cell_
     with pytest.raises(ValueError, match=r"no selected settings for \(size, fusion\) \[\('50', 'dwatt'\)\]"):
         ner.load_selected(missing)
     assert ner.load_selected(ner.NerSettings()) == {}
+
+
+def test_a_config_finds_its_selected_settings_beside_it_from_any_working_directory(tmp_path, monkeypatch):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    point = {"learning_rate": 1e-3, "head_learning_rate": 1e-2, "max_steps": 120, "dev_f1_mean": 20.0}
+    (folder / "selected.json").write_text(json.dumps({"5-shot": {"dwatt": point}}))
+    (folder / "ner.json").write_text(json.dumps({"sizes": ["5-shot"], "fusions": ["dwatt"],
+                                                 "selected_settings": "selected.json"}))
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    settings = ner.NerSettings.from_config(folder / "ner.json")
+    assert settings.selected_settings == str(folder / "selected.json")
+    assert ner.load_selected(settings)["5-shot"]["dwatt"]["max_steps"] == 120
+    absolute = tmp_path / "elsewhere.json"
+    (folder / "abs.json").write_text(json.dumps({"selected_settings": str(absolute)}))
+    assert ner.read_config(folder / "abs.json")["selected_settings"] == str(absolute)

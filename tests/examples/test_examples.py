@@ -21,8 +21,9 @@ EXPECTED_OUTPUT = {
                       "AutoModel -> DenseFormerModel", "modeling_denseformer.py"],
     "generation.py": ["[DenseFormer 2x2]", "[MoDA (FFN-side depth KV)]", "greedy (same with and without the cache)",
                       "beam search, 4 beams, #2:", "pipeline(text-generation):"],
-    "llama_upcycling.py": ["Llama -> denseformer 2x2  max |Δlogits| 0.00e+00", "Llama -> moda", "Llama -> attnres block 4",
-                           "DenseFormer DWA weights moved from the identity", "block AttnRes depth attention after"],
+    "llama_upcycling.py": ["Llama -> denseformer 2x2  max |Δlogits| 0.00e+00", "Llama -> moda",
+                           "Llama -> attnres block 4", "DenseFormer DWA weights moved from the identity",
+                           "block AttnRes depth attention after"],
 }
 # A generous ceiling against hangs; the examples are meant to take well under two minutes on a free CPU.
 TIMEOUT_S = 300

@@ -122,7 +122,7 @@ class NerSettings:
 
 def read_config(path: str | Path) -> dict:
     """Option values from a JSON file: keys are :class:`NerSettings` field names; keys starting with ``_`` are
-    comments and dropped.
+    comments and dropped. A relative ``selected_settings`` path is relative to the config file's folder.
 
     Raises:
         ValueError: naming the file and its unknown keys.
@@ -134,7 +134,11 @@ def read_config(path: str | Path) -> dict:
     unknown = sorted(key for key in set(values) - known if not key.startswith("_"))
     if unknown:
         raise ValueError(f"{path}: unknown option(s) {unknown}")
-    return {key: value for key, value in values.items() if not key.startswith("_")}
+    values = {key: value for key, value in values.items() if not key.startswith("_")}
+    if values.get("selected_settings") and not Path(values["selected_settings"]).is_absolute():
+        # written next to the config, so the config works from any working directory
+        values["selected_settings"] = str(Path(path).parent / values["selected_settings"])
+    return values
 
 
 def load_selected(settings: NerSettings) -> dict:
