@@ -77,7 +77,8 @@ def build_models(args, device: torch.device, dtype: torch.dtype) -> dict[str, to
     """Llama and the depth-fusion models with the same configuration and the same seed."""
     common = dict(
         num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64, vocab_size=args.vocab,
+        num_attention_heads=args.hidden // 64, num_key_value_heads=args.kv_heads or args.hidden // 64,
+        vocab_size=args.vocab,
         max_position_embeddings=max(1024, args.seq * 2), pad_token_id=0, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False,
     )
@@ -207,6 +208,9 @@ def main() -> None:
     parser.add_argument("--before", default=None,
                         help="a checkout (or its models/moda folder) whose MoDA runs as moda-before[-noffn|-ckpt]")
     parser.add_argument("--window", type=int, default=4, help="moda_depth_window of the moda-w<W> model")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="num_key_value_heads of every model (default: query heads, MHA; half of them: GQA "
+                             "G=2, the MoDA paper's)")
     parser.add_argument("--label", default="", help="free text stored with the record (e.g. the sweep name)")
     parser.add_argument("--reps", type=int, default=9, help="interleaved train-step repeats")
     parser.add_argument("--decode-reps", type=int, default=5)
@@ -225,7 +229,8 @@ def main() -> None:
     machine = machine_name(device)
     models = build_models(args, device, dtype)
     print(f"# bench_models  machine: {machine}  torch {torch.__version__}  commit {git_commit()}")
-    print(f"# {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, vocab {args.vocab}, "
+    print(f"# {args.layers} layers, hidden {args.hidden}, KV heads {args.kv_heads or args.hidden // 64} of "
+          f"{args.hidden // 64}, MLP {args.intermediate}, vocab {args.vocab}, "
           f"batch {args.batch} × seq {args.seq}, {args.dtype}, attn {args.attn}; {args.reps} interleaved reps, "
           f"{'process CPU time' if device.type == 'cpu' else 'wall time'}")
     if "moda" not in models:

@@ -85,6 +85,39 @@ def _token_view(slots: torch.Tensor) -> torch.Tensor:
     return slots.permute(1, 2, 3, 0, 4)
 
 
+# torch's CPU bmm computes a batch of products with contraction x rows x columns below this in a scalar loop,
+# several times slower than the elementwise form for the depth pool's tiny per-token products.
+_BMM_SCALAR_LOOP = 400
+
+
+def _depth_dots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Per-token dot products with a window of slots: ``out[n, g, m] = x[n, g] . slots[m, n]``.
+
+    Args:
+        x: [N, G, d]; slots: [M, N, d] (a slot-major window, each slot contiguous).
+    Returns:
+        [N, G, M]: one batched product reading the slots in place, or, for products small enough to fall into
+        bmm's scalar loop, a broadcast multiply and sum.
+    """
+    num_entries, _, head_dim = slots.shape
+    if x.shape[1] * num_entries * head_dim < _BMM_SCALAR_LOOP:
+        return (x.unsqueeze(2) * slots.transpose(0, 1).unsqueeze(1)).sum(dim=-1)
+    return torch.bmm(x, slots.permute(1, 2, 0))
+
+
+def _depth_mix(weights: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[n, g] += sum_m weights[n, g, m] slots[m, n]`` in place, one fused multiply-add per slot.
+
+    Args:
+        weights: [N, G, M]; slots: [M, N, d] (slot-major window); out: [N, G, d], accumulated into and returned.
+    Each step streams one contiguous [N, d] slot: as fast as a batched product at M = 22 and up to 10x faster at
+    small M (where bmm takes its scalar loop), with no operand copy.
+    """
+    for m in range(slots.shape[0]):
+        out.addcmul_(weights[:, :, m:m + 1], slots[m].unsqueeze(1))
+    return out
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Gradients of half-precision entries are summed over their readers in float32 and rounded once."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -358,16 +391,15 @@ class DepthStream:
         out = F.scaled_dot_product_attention(q_rows, k, v, scale=scale)  # (B, Hkv, G, d)
         return out.reshape(batch, num_q_heads, 1, head_dim)
 
-    def _rows_window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots ``[start, stop)`` as per-token matrices ``keys``, ``values`` [N, M, d] (N = B Hkv T): views of the
-        slot-major buffers whose every slot is one contiguous [N, d] block, the operand layout CPU ``bmm`` reads
-        without a copy (a token-major window, [N, M_max, d] sliced, is copied first and then read again)."""
+    def _slot_window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[start, stop)`` as ``keys``, ``values`` [M, N, d] (N = B Hkv T tokens): views of the slot-major
+        buffers, each slot one contiguous [N, d] block (one-token decoding keeps no buffer: a stacked copy)."""
         num_entries, head_dim = stop - start, self.shape[4]
-        if self._entry_lists is not None:  # one-token decoding keeps no buffer: a stacked copy
+        if self._entry_lists is not None:
             slots = tuple(torch.stack(entries[start:stop]) for entries in self._entry_lists)
         else:
             slots = (self.keys[start:stop], self.values[start:stop])
-        return tuple(x.view(num_entries, -1, head_dim).transpose(0, 1) for x in slots)
+        return tuple(x.view(num_entries, -1, head_dim) for x in slots)
 
     def fast_forward(self, q, k, v, attention_mask, scale: float, start: int, stop: int, reader: int | None):
         """The attention on CPU (fp32 / fp64) without autograd: ``(out [B, Hq, T, d], saved)``.
@@ -375,7 +407,7 @@ class DepthStream:
         Exact merge of the sequence pool (SDPA's flash kernel: output ``o_s`` and log-sum-exp ``lse_s``)
         with the depth logits ``l``: with ``Z = exp(lse_s) + sum_m exp(l_m)``, ``out = exp(lse_s) / Z o_s +
         sum_m exp(l_m) / Z v_m`` (computed relative to the row maximum). The depth products read the
-        window in place (:meth:`_rows_window`). With ``reader`` (entries need gradients) the
+        window in place (:func:`_depth_dots`, :func:`_depth_mix`). With ``reader`` (entries need gradients) the
         probabilities and the queries are kept in the stream's product buffers for the writers' backward.
         """
         batch, num_q_heads, q_len, head_dim = q.shape
@@ -394,9 +426,9 @@ class DepthStream:
             return out_seq, saved
         tokens = batch * num_kv_heads * q_len
         depth_k, depth_v = self.window(start, stop)
-        keys3, values3 = self._rows_window(start, stop)  # (N, M, d) each, views
+        key_slots, value_slots = self._slot_window(start, stop)  # (M, N, d) each, views
         q_rows = _to_rows(q, num_kv_heads)  # (N, G, d)
-        logits = torch.bmm(q_rows, keys3.transpose(1, 2)).mul_(scale)  # (N, G, M)
+        logits = _depth_dots(q_rows, key_slots).mul_(scale)  # (N, G, M)
         lse_rows = _to_rows(lse_seq.to(logits.dtype).unsqueeze(-1), num_kv_heads).squeeze(-1)  # (N, G)
         # One softmax over [sequence pool | depth entries], normalised by the row maximum (finite: M >= 1);
         # a sequence pool with no visible key has lse -inf and weight exactly 0.
@@ -406,7 +438,7 @@ class DepthStream:
         total = probs.sum(dim=-1).add_(seq_weight)  # >= 1
         alpha = seq_weight.div_(total)  # (N, G): the sequence pool's share
         probs = probs.div_(total.unsqueeze(-1))  # (N, G, M)
-        out_rows = torch.baddbmm(alpha.unsqueeze(-1) * _to_rows(out_seq, num_kv_heads), probs, values3)
+        out_rows = _depth_mix(probs, value_slots, alpha.unsqueeze(-1) * _to_rows(out_seq, num_kv_heads))
         out = _from_rows(out_rows, batch, num_kv_heads, q_len)  # (B, Hq, T, d)
         if reader is not None:
             rows = slice(reader * group, (reader + 1) * group)
@@ -433,13 +465,13 @@ class DepthStream:
         grad_seq = _from_rows(alpha.unsqueeze(-1) * grad_rows, batch, num_kv_heads, q_len)
         grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(grad_seq, q, k, v, out, lse_kernel, 0.0, is_causal,
                                                      attn_mask=mask, scale=scale)
-        keys3, values3 = self._rows_window(start, stop)  # (N, M, d) each, views
+        key_slots, value_slots = self._slot_window(start, stop)  # (M, N, d) each, views
         delta = (grad_rows * _to_rows(out, num_kv_heads)).sum(dim=-1)  # D = rowsum(dO * out), (N, G)
-        grad_probs = torch.bmm(grad_rows, values3.transpose(1, 2))  # (N, G, M)
+        grad_probs = _depth_dots(grad_rows, value_slots)  # (N, G, M)
         grad_logits = grad_probs.sub_(delta.unsqueeze(-1)).mul_(probs).mul_(scale)  # dS = P (dP - D) scale
         if needs[0]:
-            grad_q_rows = torch.bmm(grad_logits, keys3)  # (N, G, d)
-            grad_q = grad_q + _from_rows(grad_q_rows, batch, num_kv_heads, q_len)
+            grad_q_rows = _depth_mix(grad_logits, key_slots, _to_rows(grad_q, num_kv_heads))  # (N, G, d)
+            grad_q = _from_rows(grad_q_rows, batch, num_kv_heads, q_len)
         if reader is not None:
             rows = slice(reader * group, (reader + 1) * group)
             shape = (tokens, self.num_readers * group)
