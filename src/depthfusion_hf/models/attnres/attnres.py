@@ -549,17 +549,149 @@ def acquire_depth_buffer(
     return buffer
 
 
-def caches_source_norms(backend: str, source: torch.Tensor) -> bool:
-    """Whether a caller whose calls share sources should pass ``inv_rms`` (:func:`source_inv_rms` per source).
+def uses_logit_rows(backend: str, source: torch.Tensor) -> bool:
+    """Whether a caller whose calls share sources should score each source once (:func:`source_logit_rows`)
+    and run its calls with :func:`attention_residual_from_rows`.
 
-    Only the torch backend's list path uses them (the other paths recompute the norms): backend ``"torch"``,
-    sources of more than ``SMALL_NUMEL`` elements, gradients enabled (without gradients the norms cost the
-    same computed per call, and nothing is saved for a backward).
+    Only on the torch backend's list path: backend ``"torch"``, sources of more than ``SMALL_NUMEL`` elements,
+    gradients enabled (without gradients the :class:`DepthBuffer` or the per-call path serve).
 
     Args:
         backend: a resolved backend. source: one source [B, T, D] (all share its shape).
     """
     return backend == "torch" and torch.is_grad_enabled() and source.numel() > SMALL_NUMEL
+
+
+def call_keys(queries: Sequence[torch.Tensor], key_norm_weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every call's ``u_c = w_c * g_c``: [C, D] in the compute dtype (differentiable), for :func:`source_logit_rows`.
+
+    Args:
+        queries: C tensors [D] (the calls' ``w``). key_norm_weights: C tensors [D] (their ``g``).
+    """
+    w, g = torch.stack(tuple(queries)), torch.stack(tuple(key_norm_weights))
+    cd = torch.promote_types(torch.promote_types(w.dtype, g.dtype), torch.float32)
+    return w.to(cd) * g.to(cd)
+
+
+def source_logit_rows(source: torch.Tensor, keys: torch.Tensor, eps: float) -> torch.Tensor:
+    """A source's logit in every call, computed once when the source is written: ``r (u_c . v)`` for each c.
+
+    One [M, D] x [D, C] product per source replaces one dot product per call reading it; its gradient reaches
+    the source and the keys through two products per source (not one accumulation per call).
+
+    Args:
+        source: v [B, T, D]. keys: [C, D] from :func:`call_keys`, or the rows of the calls that read this source.
+        eps: the calls' RMSNorm epsilon.
+    Returns:
+        [B, T, C] in the keys' dtype (the compute dtype: float32, float64 for float64 inputs), differentiable.
+    """
+    with torch.autocast(device_type=source.device.type, enabled=False):  # the logits stay in the compute dtype
+        cd = torch.promote_types(source.dtype, keys.dtype)
+        inv_rms = source_inv_rms(source, eps).to(cd)
+        return torch.matmul(source.to(cd), keys.to(cd).t()) * inv_rms.unsqueeze(-1)
+
+
+def _mix_rows_reference(columns: Sequence[int], sources: Sequence[torch.Tensor], rows: Sequence[torch.Tensor]):
+    """:class:`_MixFromRows` with autograd's ops (for double backward): ``(h, alpha)``."""
+    logits = torch.stack([row[..., j] for row, j in zip(rows, columns)], dim=-1)
+    alpha = torch.softmax(logits, dim=-1)
+    h = alpha[..., 0:1] * sources[0].to(alpha.dtype)
+    for i in range(1, len(sources)):
+        h = h + alpha[..., i : i + 1] * sources[i].to(alpha.dtype)
+    return h.to(sources[0].dtype), alpha
+
+
+def _row_grad(row: torch.Tensor, column: int, d_logit: torch.Tensor, need: bool) -> torch.Tensor | None:
+    """The gradient of a logit row [B, T, C_i] whose column ``column`` got ``d_logit`` [B, T]."""
+    if not need:
+        return None
+    if row.shape[-1] == 1:
+        return d_logit.unsqueeze(-1)
+    grad = torch.zeros_like(row)
+    grad.select(-1, column).copy_(d_logit)
+    return grad
+
+
+class _MixFromRows(torch.autograd.Function):
+    """One call from precomputed logit rows (inputs: the call's column in each row, N, *sources, *rows; row i
+    [B, T, C_i] holds source i's logit in C_i calls).
+
+    Forward: ``s_i = rows_i[..., columns_i]``, alpha = softmax(s) (compute dtype), ``h = sum_i alpha_i v_i`` into one
+    buffer. Backward (per token, ``delta = sum_j alpha_j dalpha_j``): ``dalpha_i = dh . v_i (+ d alpha_i)``,
+    ``ds_i = alpha_i (dalpha_i - delta)`` into column ``columns_i`` of row i's gradient, ``dv_i = alpha_i dh``: no
+    gradient through norms or the query here (the rows' own product carries them, once per source).
+    Saved: references to the sources and alpha [B, T, N].
+    """
+
+    @staticmethod
+    def forward(ctx, columns, n_src, *tensors):  # noqa: D102
+        sources, rows = tensors[:n_src], tensors[n_src:]
+        logits = torch.stack([row.detach()[..., j] for row, j in zip(rows, columns)], dim=-1)
+        alpha = torch.softmax(logits, dim=-1)
+        h = torch.mul(sources[0].detach().to(alpha.dtype), alpha[..., 0:1])
+        for i in range(1, n_src):
+            h.addcmul_(sources[i].detach(), alpha[..., i : i + 1])
+        ctx.columns, ctx.n_src, ctx.device_type = columns, n_src, sources[0].device.type
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(alpha, *sources, *rows)
+        return h.to(sources[0].dtype), alpha
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_alpha):  # noqa: D102
+        with torch.autocast(device_type=ctx.device_type, enabled=False):
+            return _MixFromRows._backward(ctx, grad_h, grad_alpha)
+
+    @staticmethod
+    def _backward(ctx, grad_h, grad_alpha):
+        alpha, *tensors = ctx.saved_tensors
+        n_src, columns = ctx.n_src, ctx.columns
+        sources, rows = tensors[:n_src], tensors[n_src:]
+        need = ctx.needs_input_grad[2:]
+        if grad_h is None and grad_alpha is None:
+            return (None, None, *([None] * 2 * n_src))
+        if torch.is_grad_enabled():  # create_graph: differentiate the same function written with autograd's ops
+            wanted = [x for x, nd in zip(tensors, need) if nd]
+            h, a = _mix_rows_reference(columns, sources, rows)
+            outs, grads = [h], [grad_h if grad_h is not None else torch.zeros_like(h)]
+            if grad_alpha is not None:
+                outs.append(a)
+                grads.append(grad_alpha.to(a.dtype))
+            found = iter(torch.autograd.grad(outs, wanted, grads, create_graph=True, allow_unused=True))
+            return (None, None, *[next(found) if nd else None for nd in need])
+        cd = alpha.dtype
+        dh = grad_h.to(cd) if grad_h is not None else None
+        if dh is not None:
+            scratch = torch.empty(dh.shape, dtype=cd, device=dh.device)  # one product buffer, reused
+            d_alpha = torch.stack([torch.mul(dh, v, out=scratch).sum(dim=-1) for v in sources], dim=-1)
+            if grad_alpha is not None:
+                d_alpha += grad_alpha.to(cd)
+        else:
+            d_alpha = grad_alpha.to(cd)
+        ds = alpha * (d_alpha - (alpha * d_alpha).sum(dim=-1, keepdim=True))  # [B, T, N]: logit gradients
+        grad_sources = [
+            torch.mul(dh, alpha[..., i : i + 1]).to(v.dtype) if need[i] and dh is not None else None
+            for i, v in enumerate(sources)
+        ]
+        grad_rows = list(map(_row_grad, rows, columns, ds.unbind(-1), need[n_src:]))
+        return (None, None, *grad_sources, *grad_rows)
+
+
+def attention_residual_from_rows(
+    columns: Sequence[int], sources: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], return_weights: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One call over the sources given each source's :func:`source_logit_rows` (the torch backend's path for a
+    caller whose calls share sources); the op's values and gradients to floating-point reassociation.
+
+    Args:
+        columns: N ints, the call's column in each row. sources: N tensors [B, T, D]. rows: their logit rows
+            [B, T, C_i] (compute dtype). return_weights: also return alpha.
+    Returns:
+        h [B, T, D] in the sources' dtype, or ``(h, alpha)`` with alpha [B, T, N] in the compute dtype.
+    """
+    device_type = sources[0].device.type
+    with torch.autocast(device_type=device_type, enabled=False):
+        h, alpha = _MixFromRows.apply(tuple(columns), len(sources), *sources, *rows)
+    return (h, alpha) if return_weights else h
 
 
 def _route(backend: str, sources: Sequence[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor) -> str:
@@ -646,9 +778,13 @@ __all__ = [
     "attention_residual_with_backend",
     "attnres_reference",
     "acquire_depth_buffer",
+    "attention_residual_from_rows",
     "attnres_torch",
-    "caches_source_norms",
+    "call_keys",
     "check_attnres_inputs",
     "resolve_backend",
     "source_inv_rms",
+    "source_logit_rows",
+    "uses_depth_buffer",
+    "uses_logit_rows",
 ]

@@ -28,6 +28,7 @@ AttnRes is per token, so cached decoding needs only the ordinary KV cache.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -55,11 +56,13 @@ from .attnres import (
     DepthBuffer,
     acquire_depth_buffer,
     attention_residual,
+    attention_residual_from_rows,
     attention_residual_with_backend,
-    caches_source_norms,
+    call_keys,
     resolve_backend,
-    source_inv_rms,
+    source_logit_rows,
     uses_depth_buffer,
+    uses_logit_rows,
 )
 from .configuration_attnres import AttnResConfig
 
@@ -96,12 +99,38 @@ def grow_depth_state(
     return sources
 
 
-def add_to_norm_state(
-    inv_rms: tuple[torch.Tensor, ...], sources: tuple[torch.Tensor, ...], new_block: bool, eps: float
+def add_to_row_state(
+    rows: tuple[torch.Tensor, ...], sources: tuple[torch.Tensor, ...], new_block: bool, keys: torch.Tensor,
+    sublayer: int, block_size: int, eps: float,
 ) -> tuple[torch.Tensor, ...]:
-    """The sources' inverse norms after :func:`add_to_depth_state` gave ``sources``: the last one is new."""
-    last = source_inv_rms(sources[-1], eps)
-    return (*inv_rms, last) if new_block else (*inv_rms[:-1], last)
+    """The sources' logit rows after sub-layer ``sublayer`` (1-based) wrote into the last of ``sources``.
+
+    The new row scores the last source for the calls that will read this version of it: every later call
+    [B, T, C - sublayer + 1] when the sub-layer ends its block (the source is final), else only the next call
+    [B, T, 1] (a running sum the next sub-layer replaces). Call c's column in source j's row is then
+    ``c - row_start(j, c, block_size)``.
+    """
+    ends_block = sublayer % block_size == 0 or sublayer == keys.shape[0]
+    last = source_logit_rows(sources[-1], keys[sublayer - 1 :] if ends_block else keys[sublayer - 1 : sublayer], eps)
+    return (*rows, last) if new_block else (*rows[:-1], last)
+
+
+def row_start(source: int, call: int, block_size: int) -> int:
+    """The first call scored by the logit row that call ``call`` (0-based; it feeds sub-layer call + 2) reads
+    for its source ``source``: 0 for the embedding, else the call after the last sub-layer written into it."""
+    return 0 if source == 0 else min(source * block_size, call + 1) - 1
+
+
+@dataclass
+class LogitRows:
+    """What a call needs to run from its sources' logit rows: the rows, its column in each, and the parameters
+    its key was taken from (a call whose own parameters are others, e.g. swapped in by a wrapper, ignores the
+    rows)."""
+
+    rows: tuple[torch.Tensor, ...]
+    columns: tuple[int, ...]
+    query: torch.Tensor
+    key_norm_weight: torch.Tensor
 
 
 class AttnResForwardState:
@@ -115,9 +144,10 @@ class AttnResForwardState:
     def __init__(self, record_weights: bool = False):
         self.backends: dict[torch.device, str] = {}
         self.depth_weights: list[torch.Tensor] | None = [] if record_weights else None
-        # Whether the layers carry each source's inverse norm next to it (computed once per source, not per
-        # call; see ``caches_source_norms``); set by the model forward, once.
-        self.cache_norms = False
+        # With gradients over many tokens (see ``uses_logit_rows``): every call's parameters, in call order, from
+        # which the keys were taken; the layers then carry each source's logit rows and the keys next to the
+        # sources. Set by the model forward, once.
+        self.key_params: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         # Without gradients over few tokens (cached decoding; see ``uses_depth_buffer``) the sources live here,
         # and the layers pass no source tensors; set by the model forward, once.
         self.buffer: DepthBuffer | None = None
@@ -223,6 +253,7 @@ class AttnResMix(nn.Module):
         backend: str | None = None,
         return_weights: bool = False,
         inv_rms: tuple[torch.Tensor, ...] | None = None,
+        logit_rows: LogitRows | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Mix ``sources`` (N tensors [B, T, D]) into h [B, T, D] (and alpha [B, T, N] float32 if asked).
 
@@ -233,9 +264,14 @@ class AttnResMix(nn.Module):
                 and device); None validates and resolves like the public op.
             return_weights: also return the softmax weights alpha.
             inv_rms: with a resolved backend, optionally ``source_inv_rms`` of each source ([B, T] each).
+            logit_rows: with a resolved backend, optionally each source's logit rows (``source_logit_rows``,
+                [B, T, C] each) and this call's column: used when this call's parameters are those of the keys.
         """
         if isinstance(sources, DepthBuffer):
             return sources.mix(self.query, self.key_norm_weight, return_weights)
+        if (logit_rows is not None and self.query is logit_rows.query
+                and self.key_norm_weight is logit_rows.key_norm_weight):
+            return attention_residual_from_rows(logit_rows.columns, sources, logit_rows.rows, return_weights)
         if backend is None:
             return attention_residual(self.query, sources, self.key_norm_weight, eps=self.eps,
                                       return_weights=return_weights)
@@ -257,7 +293,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.layer_idx = layer_idx
-        block_size = config.effective_block_size
+        self.block_size = block_size = config.effective_block_size
         self.attn_starts_block = starts_block(2 * layer_idx + 1, block_size)
         self.mlp_starts_block = starts_block(2 * layer_idx + 2, block_size)
         self.mlp_res = AttnResMix(config.hidden_size, config.rms_norm_eps)
@@ -281,21 +317,25 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         Args:
             hidden_states: h, the attention sub-layer's input [B, T, D] (the previous layer's output).
             sources: the depth state h was mixed from, each [B, T, D] (positional, so that reentrant
-                gradient checkpointing passes their gradients); when ``attnres_state.cache_norms``, followed
-                by their inverse norms ``source_inv_rms`` ([B, T] each, as many as sources); none when the
-                state is ``attnres_state.buffer`` (a ``DepthBuffer``: no gradients, few tokens).
+                gradient checkpointing passes their gradients); when ``attnres_state.key_params`` is set,
+                followed by their logit rows (``source_logit_rows``, [B, T, C] each, as many as sources) and
+                the keys [C, D] (``call_keys``); none when the state is ``attnres_state.buffer`` (a
+                ``DepthBuffer``: no gradients, few tokens).
             attnres_state: the model forward's shared state (resolved backends, the softmax-weight record);
                 None (a layer called on its own) lets the public op validate and resolve.
         Returns:
             ``(output, *new_sources)``: the layer output [B, T, D] (the next layer's input, or h_final) and the
-            depth state grown by this layer's two sub-layer outputs (then their inverse norms, when cached).
+            depth state grown by this layer's two sub-layer outputs (then their logit rows and the keys, when
+            carried).
         """
         backend = attnres_state.backend(hidden_states.device) if attnres_state is not None else None
         record = attnres_state.depth_weights if attnres_state is not None else None
         buffer = attnres_state.buffer if attnres_state is not None else None
-        norms = None
-        if attnres_state is not None and attnres_state.cache_norms:
-            sources, norms = sources[: len(sources) // 2], sources[len(sources) // 2 :]
+        key_params = attnres_state.key_params if attnres_state is not None else None
+        rows = keys = logit_rows = None
+        if key_params is not None:
+            n = (len(sources) - 1) // 2
+            sources, rows, keys = sources[:n], sources[n : 2 * n], sources[2 * n]
         attn_out, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -306,25 +346,35 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             **kwargs,
         )
         sources = grow_depth_state(sources, attn_out, self.attn_starts_block, buffer)
-        if norms is not None:
-            norms = add_to_norm_state(norms, sources, self.attn_starts_block, self.mlp_res.eps)
+        call = 2 * self.layer_idx  # the call feeding this layer's MLP; 2 i + 1 forms its output
+        if rows is not None:
+            rows = add_to_row_state(rows, sources, self.attn_starts_block, keys, call + 1, self.block_size,
+                                    self.mlp_res.eps)
+            logit_rows = self._logit_rows(rows, call, key_params)
         # differs from Llama: + attn_out
-        hidden_states = self._mix(self.mlp_res, buffer or sources, backend, record, norms)
+        hidden_states = self._mix(self.mlp_res, buffer or sources, backend, record, logit_rows)
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
         sources = grow_depth_state(sources, mlp_out, self.mlp_starts_block, buffer)
-        if norms is not None:
-            norms = add_to_norm_state(norms, sources, self.mlp_starts_block, self.output_res.eps)
+        if rows is not None:
+            rows = add_to_row_state(rows, sources, self.mlp_starts_block, keys, call + 2, self.block_size,
+                                    self.output_res.eps)
+            logit_rows = self._logit_rows(rows, call + 1, key_params)
         # differs from Llama: + mlp_out
-        hidden_states = self._mix(self.output_res, buffer or sources, backend, record, norms)
-        return (hidden_states, *sources, *(norms or ()))
+        hidden_states = self._mix(self.output_res, buffer or sources, backend, record, logit_rows)
+        return (hidden_states, *sources, *(rows or ()), *(() if keys is None else (keys,)))
+
+    def _logit_rows(self, rows: tuple[torch.Tensor, ...], call: int, key_params) -> LogitRows:
+        """Call ``call``'s view of the rows: its column in each, and the parameters of its key."""
+        columns = tuple(call - row_start(j, call, self.block_size) for j in range(len(rows)))
+        return LogitRows(rows, columns, key_params[0][call], key_params[1][call])
 
     @staticmethod
     def _mix(mix: AttnResMix, sources, backend: str | None, record: list[torch.Tensor] | None,
-             norms: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+             logit_rows: LogitRows | None) -> torch.Tensor:
         """Run one AttnRes call; append its softmax weights to ``record`` when it is a list."""
         if record is None:
-            return mix(sources, backend, inv_rms=norms)
-        hidden, alpha = mix(sources, backend, return_weights=True, inv_rms=norms)
+            return mix(sources, backend, logit_rows=logit_rows)
+        hidden, alpha = mix(sources, backend, return_weights=True, logit_rows=logit_rows)
         record.append(alpha)
         return hidden
 
@@ -438,11 +488,11 @@ class AttnResModel(AttnResPreTrainedModel):
         if uses_depth_buffer(backend, inputs_embeds):  # cached decoding: the sources in one buffer, none passed
             state.buffer = self.start_depth_buffer(inputs_embeds)
             sources = ()
-        # Each source's inverse norm computed once (when written) and passed to every call reading it.
-        state.cache_norms = caches_source_norms(backend, inputs_embeds)
-        norms = (source_inv_rms(inputs_embeds, self.config.rms_norm_eps),) if state.cache_norms else ()
+        rows: tuple[torch.Tensor, ...] = ()
+        if uses_logit_rows(backend, inputs_embeds):  # each source scored for every call once, when written
+            rows = self.start_logit_rows(inputs_embeds, state)
         try:
-            hidden_states = self.run_layers(hidden_states, sources, norms, state, causal_mask, position_embeddings,
+            hidden_states = self.run_layers(hidden_states, sources, rows, state, causal_mask, position_embeddings,
                                             position_ids, cache, use_cache, **kwargs)
         finally:
             if state.buffer is not None:
@@ -462,18 +512,34 @@ class AttnResModel(AttnResPreTrainedModel):
         pickles of the model do not carry them).
         """
         pool = DEPTH_BUFFERS.setdefault(self, [])
-        layers = self.layers[: self.config.num_hidden_layers]
+        layers = itertools.islice(self.layers, self.config.num_hidden_layers)  # (slicing builds a ModuleList)
         calls = [mix for layer in layers for mix in (layer.mlp_res, layer.output_res)]
         buffer = acquire_depth_buffer(pool, inputs_embeds, num_depth_sources(self.config), len(calls),
                                       self.config.rms_norm_eps)
         buffer.start(inputs_embeds, [mix.query for mix in calls], [mix.key_norm_weight for mix in calls])
         return buffer
 
+    def start_logit_rows(self, inputs_embeds: torch.Tensor, state: AttnResForwardState) -> tuple[torch.Tensor, ...]:
+        """Take every call's key once (``call_keys``) and score the embedding [B, T, D] for every call.
+
+        Returns ``(embedding's logit rows [B, T, C], keys [C, D])`` to pass after the sources, and records the
+        parameters of the keys in ``state.key_params``; ``()`` (each call scores its own sources) when a call's
+        parameters are not on the embedding's device (e.g. offloaded).
+        """
+        layers = itertools.islice(self.layers, self.config.num_hidden_layers)
+        calls = [mix for layer in layers for mix in (layer.mlp_res, layer.output_res)]
+        queries, weights = [mix.query for mix in calls], [mix.key_norm_weight for mix in calls]
+        if any(p.device != inputs_embeds.device for p in (*queries, *weights)):
+            return ()
+        keys = call_keys(queries, weights)
+        state.key_params = (queries, weights)
+        return source_logit_rows(inputs_embeds, keys, self.config.rms_norm_eps), keys
+
     def run_layers(
         self,
         hidden_states: torch.Tensor,
         sources: tuple[torch.Tensor, ...],
-        norms: tuple[torch.Tensor, ...],
+        rows: tuple[torch.Tensor, ...],
         state: AttnResForwardState,
         causal_mask: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -482,13 +548,13 @@ class AttnResModel(AttnResPreTrainedModel):
         use_cache: bool | None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        """The decoder layers over h [B, T, D] and the depth state (``sources`` and ``norms``, or
-        ``state.buffer``); returns h_final [B, T, D]."""
+        """The decoder layers over h [B, T, D] and the depth state (``sources``, then ``rows``: their logit rows
+        and the keys when ``state.key_params`` is set; or ``state.buffer``); returns h_final [B, T, D]."""
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, *depth = decoder_layer(
                 hidden_states,
                 *sources,
-                *norms,
+                *rows,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
@@ -497,7 +563,11 @@ class AttnResModel(AttnResPreTrainedModel):
                 attnres_state=state,
                 **kwargs,
             )
-            sources, norms = (depth[: len(depth) // 2], depth[len(depth) // 2 :]) if state.cache_norms else (depth, ())
+            if state.key_params is not None:
+                n = (len(depth) - 1) // 2
+                sources, rows = depth[:n], depth[n:]
+            else:
+                sources = depth
         return hidden_states
 
     @torch.no_grad()
