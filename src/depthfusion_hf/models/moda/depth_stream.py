@@ -5,7 +5,7 @@ them as a tuple and stacking them per layer (``torch.stack`` into a fresh ``[B, 
 copies ``O(L^2)`` entries per forward, and in the backward every reading layer returns its own
 ``[.., M_l, d]`` gradient that autograd then sums per entry. :class:`DepthStream` removes both:
 
-- **Forward.** One slot-major buffer per pool, ``keys`` / ``values`` [M_max, B, Hkv, T, d]. Entry
+- **Forward.** One slot-major buffer per pool, ``keys`` / ``values`` [M_max, B, T, Hkv, d]. Entry
   ``m`` is copied into slot ``m`` (one contiguous block) once (:meth:`DepthStream.write`); layer ``l``
   reads its window of slots ``[start, stop)`` as a strided view (no copy; [B, Hkv, T, M, d] for the op,
   [N, M, d] per-token matrices for the CPU products) and runs the attention on it
@@ -67,22 +67,24 @@ def _fast_cpu_applies(q: torch.Tensor, attention_mask: torch.Tensor | None, back
 
 
 def _to_rows(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[B, Hq, T, *rest] -> [N, G, *rest], N = B * Hkv * T, G = Hq / Hkv (a view when G = 1)."""
+    """[B, Hq, T, *rest] -> [N, G, *rest]: N = B * T * Hkv tokens in (batch, position, KV head) order, G = Hq / Hkv.
+
+    A view for the tensors the layer hands over, which are laid out [B, T, Hq, ...] in memory (the projections'
+    queries, SDPA's outputs, log-sum-exps and gradients); the depth slots use the same token order.
+    """
     batch, num_q_heads, tokens, *rest = x.shape
-    group = num_q_heads // num_kv_heads
-    return x.reshape(batch, num_kv_heads, group, tokens, *rest).transpose(2, 3).reshape(-1, group, *rest)
+    return x.transpose(1, 2).reshape(batch * tokens * num_kv_heads, num_q_heads // num_kv_heads, *rest)
 
 
 def _from_rows(x: torch.Tensor, batch: int, num_kv_heads: int, tokens: int) -> torch.Tensor:
-    """[N, G, d] -> [B, Hq, T, d] (inverse of :func:`_to_rows`)."""
+    """[N, G, d] -> [B, Hq, T, d], a view laid out [B, T, Hq, d] in memory (inverse of :func:`_to_rows`)."""
     group, head_dim = x.shape[1], x.shape[2]
-    x = x.view(batch, num_kv_heads, tokens, group, head_dim).transpose(2, 3)
-    return x.reshape(batch, num_kv_heads * group, tokens, head_dim)
+    return x.view(batch, tokens, num_kv_heads * group, head_dim).transpose(1, 2)
 
 
 def _token_view(slots: torch.Tensor) -> torch.Tensor:
-    """Slot-major slots [M, B, Hkv, T, d] as the op's depth layout [B, Hkv, T, M, d] (a view, no copy)."""
-    return slots.permute(1, 2, 3, 0, 4)
+    """Slot-major slots [M, B, T, Hkv, d] as the op's depth layout [B, Hkv, T, M, d] (a view, no copy)."""
+    return slots.permute(1, 3, 2, 0, 4)
 
 
 # torch's CPU bmm computes a batch of products with contraction x rows x columns below this in a scalar loop,
@@ -141,8 +143,8 @@ class _StreamWrite(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, stream: DepthStream, slot: int, token: torch.Tensor | None, key, value):  # noqa: D102
-        stream.keys[slot].copy_(key)
-        stream.values[slot].copy_(value)
+        stream.keys[slot].copy_(key.transpose(1, 2))  # (B, T, Hkv, d): the token order of the slots
+        stream.values[slot].copy_(value.transpose(1, 2))
         ctx.stream, ctx.slot, ctx.has_token = stream, slot, token is not None
         ctx.key_dtype, ctx.value_dtype = key.dtype, value.dtype
         return key.new_empty(0)
@@ -205,7 +207,7 @@ class DepthStream:
             must only be used without gradients.
 
     Attributes:
-        keys, values: [M_max, B, Hkv, T, d], allocated by the first :meth:`attend` (from its ``k``'s
+        keys, values: [M_max, B, T, Hkv, d], allocated by the first :meth:`attend` (from its ``k``'s
             heads, head size, dtype and device, so a tensor-parallel shard gets its own heads);
             slot ``m`` holds entry ``m`` once written. Not allocated for one-token decoding without
             gradients (T = 1, no mask, the fast path): the entries are then kept as written, each
@@ -257,14 +259,14 @@ class DepthStream:
         self._entry_lists: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def _allocate(self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        self.shape = (q.shape[0], k.shape[1], q.shape[2], self.capacity, k.shape[3])  # (B, Hkv, T, M_max, d)
+        self.shape = (q.shape[0], k.shape[1], q.shape[2], self.capacity, k.shape[3])  # (B, Hkv, T, M_max, d), logical
         self.dtype, self.device = k.dtype, k.device
         self.fast = _fast_cpu_applies(q, attention_mask, self.backend)
         self._allocated = True
         if self.fast and not self.track_grad and q.shape[2] == 1 and attention_mask is None:
             self._entry_lists = ([], [])
             return
-        slot_major = (self.capacity, *self.shape[:3], self.shape[4])  # (M_max, B, Hkv, T, d)
+        slot_major = (self.capacity, q.shape[0], q.shape[2], k.shape[1], k.shape[3])  # (M_max, B, T, Hkv, d)
         self.keys = k.new_empty(slot_major)
         self.values = k.new_empty(slot_major)
 
@@ -290,8 +292,8 @@ class DepthStream:
             self._token = _StreamWrite.apply(self, slot, self._token, key, value)
         else:
             with torch.no_grad():
-                self.keys[slot].copy_(key)
-                self.values[slot].copy_(value)
+                self.keys[slot].copy_(key.transpose(1, 2))
+                self.values[slot].copy_(value.transpose(1, 2))
         if slot == self.written:
             self._entry_grad[slot] = track
             self.written += 1
@@ -492,7 +494,7 @@ class DepthStream:
         batch, num_kv_heads, q_len, _, head_dim = self.shape
         if not self.fast:
             grad_keys, grad_values = self.gradient_buffers()
-            return grad_keys[slot], grad_values[slot]
+            return grad_keys[slot].transpose(1, 2), grad_values[slot].transpose(1, 2)
         if slot in self._entry_grads:
             return self._entry_grads.pop(slot)
         readers = self._readers_of[slot]
@@ -515,13 +517,14 @@ class DepthStream:
         left[:, 1, :, :, 1] = self._products["P"][:, first:slot + 1, rows]
         products = torch.bmm(left.view(tokens, 2 * count, 2 * num_rows), qdo[:, rows].view(tokens, 2 * num_rows, -1))
         grad_keys, grad_values = products[:, :count], products[:, count:]  # (N, n, d) each
-        shape = (batch, num_kv_heads, q_len, head_dim)
+        shape = (batch, q_len, num_kv_heads, head_dim)  # the slots' token order, handed on as [B, Hkv, T, d]
         if first < slot:
-            self._entry_grads[first] = (grad_keys[:, 0].view(shape), grad_values[:, 0].view(shape))
-        return grad_keys[:, -1].view(shape), grad_values[:, -1].view(shape)
+            self._entry_grads[first] = (grad_keys[:, 0].view(shape).transpose(1, 2),
+                                        grad_values[:, 0].view(shape).transpose(1, 2))
+        return grad_keys[:, -1].view(shape).transpose(1, 2), grad_values[:, -1].view(shape).transpose(1, 2)
 
     def gradient_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Generic path: the gradient buffers [M_max, B, Hkv, T, d], slot-major like the entries (zeroed at the
+        """Generic path: the gradient buffers [M_max, B, T, Hkv, d], slot-major like the entries (zeroed at the
         first use in a backward pass)."""
         if self._grads is None:
             dtype = _accumulation_dtype(self.keys.dtype)

@@ -642,8 +642,8 @@ def moda_forward_saving(
 
     For callers that own the backward of a whole pass (the model's depth stream). Inputs are not
     validated (as for :func:`moda_attention_with_backend`); ``depth_k`` / ``depth_v`` may be any
-    strided views [B, Hkv, T, M, d], e.g. ``buffer[lo:hi].permute(1, 2, 3, 0, 4)`` of a slot-major buffer
-    [M_max, B, Hkv, T, d] (the model's depth stream), M may be 0.
+    strided views [B, Hkv, T, M, d], e.g. ``buffer[lo:hi].permute(1, 3, 2, 0, 4)`` of a slot-major buffer
+    [M_max, B, T, Hkv, d] (the model's depth stream), M may be 0.
 
     Args:
         q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
