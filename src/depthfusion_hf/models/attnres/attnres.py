@@ -21,6 +21,18 @@ Three implementations behind :func:`attention_residual`, one signature:
   path then skips the norms and sends their gradient through them (summed over the calls by autograd).
 - ``"triton"``: fused forward and backward kernels (``attnres_triton.py``) for CUDA tensors.
 
+Two more torch-backend paths serve a caller whose calls share sources (the model), each scoring a source
+once, when it is written, instead of once per call reading it:
+
+- with gradients over many tokens (:func:`uses_logit_rows`): :func:`call_keys` takes every call's
+  ``u_c = w_c * g_c`` once per forward, :func:`source_logit_rows` gives a written source its logits
+  ``r (u_c . v)`` for the calls that read it (one product), and :func:`attention_residual_from_rows` runs a
+  call from its sources' rows (softmax, weighted sum; the backward returns ``alpha_i dh`` per source and the
+  logit gradients, which reach the sources, queries and norm weights through the rows' products);
+- without gradients over few tokens (:func:`uses_depth_buffer`, cached decoding): a :class:`DepthBuffer`
+  holds the sources and every call's logits in preallocated buffers reused between forwards, so a call is a
+  softmax over a row slice and one product.
+
 The backend is chosen by the ``backend`` argument, else ``$DEPTHFUSION_BACKEND``, else automatically
 (Triton for CUDA tensors when it imports, PyTorch otherwise). Inputs a kernel cannot compute are routed
 by :func:`attention_residual_with_backend` (float64 goes to the PyTorch path). Second-order gradients

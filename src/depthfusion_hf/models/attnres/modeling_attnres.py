@@ -331,6 +331,10 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         backend = attnres_state.backend(hidden_states.device) if attnres_state is not None else None
         record = attnres_state.depth_weights if attnres_state is not None else None
         buffer = attnres_state.buffer if attnres_state is not None else None
+        if buffer is not None and buffer.rows.device != hidden_states.device:
+            # a layer on another device (device_map): the rest of the forward passes the sources themselves
+            sources = tuple(v.to(hidden_states.device) for v in buffer.sources())
+            attnres_state.buffer = buffer = None
         key_params = attnres_state.key_params if attnres_state is not None else None
         rows = keys = logit_rows = None
         if key_params is not None:
@@ -485,8 +489,9 @@ class AttnResModel(AttnResPreTrainedModel):
         # backends resolved once per device and forward (not per AttnRes call); the softmax weights if asked
         state = AttnResForwardState(record_weights=output_depth_weights)
         backend = state.backend(inputs_embeds.device)
+        held = None  # the DepthBuffer this forward holds (released at its end)
         if uses_depth_buffer(backend, inputs_embeds):  # cached decoding: the sources in one buffer, none passed
-            state.buffer = self.start_depth_buffer(inputs_embeds)
+            state.buffer = held = self.start_depth_buffer(inputs_embeds)
             sources = ()
         rows: tuple[torch.Tensor, ...] = ()
         if uses_logit_rows(backend, inputs_embeds):  # each source scored for every call once, when written
@@ -495,8 +500,8 @@ class AttnResModel(AttnResPreTrainedModel):
             hidden_states = self.run_layers(hidden_states, sources, rows, state, causal_mask, position_embeddings,
                                             position_ids, cache, use_cache, **kwargs)
         finally:
-            if state.buffer is not None:
-                state.buffer.lock.release()
+            if held is not None:
+                held.lock.release()
 
         hidden_states = self.norm(hidden_states)
         return AttnResModelOutputWithPast(
