@@ -469,14 +469,22 @@ class DepthBuffer:
     def start(self, first: torch.Tensor, queries: list[torch.Tensor], key_norm_weights: list[torch.Tensor]) -> None:
         """Begin a forward: take every call's key (in call order) and write ``first`` [B, T, D] as source 0."""
         self.count = self.calls = 0
-        self.params = ()  # no keys: every call takes the torch backend (parameters elsewhere or of a wider dtype)
-        devices = {p.device for p in (*queries, *key_norm_weights)}
-        if len(queries) == self.num_calls and devices == {self.rows.device}:
-            w, g = torch.stack(queries), torch.stack(key_norm_weights)
-            if compute_dtype(self.rows.dtype, w, g) == self.rows.dtype:
-                torch.mul(w, g, out=self._key_data).mul_(math.sqrt(self.shape[-1]))
-                self.params = (*queries, *key_norm_weights)
+        self.params = self._take_keys(queries, key_norm_weights)
         self.write(first, new_source=True)
+
+    def _take_keys(self, queries: list[torch.Tensor], key_norm_weights: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Fill ``keys`` and return the parameters they were taken from; ``()`` (no keys: every call takes the
+        torch backend) for parameters elsewhere than the buffer or of a wider dtype."""
+        if len(queries) != self.num_calls:
+            return ()
+        try:
+            w, g = torch.stack(queries), torch.stack(key_norm_weights)
+        except RuntimeError:  # parameters on several devices (e.g. offloaded ones on "meta")
+            return ()
+        if not (w.device == g.device == self.rows.device and compute_dtype(self.rows.dtype, w, g) == self.rows.dtype):
+            return ()
+        torch.mul(w, g, out=self._key_data).mul_(math.sqrt(self.shape[-1]))
+        return (*queries, *key_norm_weights)
 
     def write(self, output: torch.Tensor, new_source: bool) -> None:
         """Append ``output`` [B, T, D] as a new source, or add it to the last one (a block's running sum)."""
