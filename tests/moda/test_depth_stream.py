@@ -17,6 +17,7 @@ from .helpers import tiny_config, tiny_model
 
 # The package exports the op under the submodule's name, so the module is looked up explicitly.
 moda_attention_module = importlib.import_module("depthfusion_hf.models.moda.moda_attention")
+depth_stream_module = importlib.import_module("depthfusion_hf.models.moda.depth_stream")
 
 
 def run(model, ids, mask=None, stream=True):
@@ -41,7 +42,8 @@ def assert_same(a, b, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"moda_ffn_kv": False}, {"norm_position": "post"}, {"moda_depth_window": 2}, {"num_key_value_heads": 4}],
+    [{}, {"moda_ffn_kv": False}, {"norm_position": "post"}, {"moda_depth_window": 2}, {"num_key_value_heads": 4},
+     {"head_dim": 64, "num_hidden_layers": 5}],  # d = 64: the depth products of layers 2.. are large enough for bmm
 )
 def test_stream_equals_tuple_path(overrides, dtype):
     model = tiny_model(**overrides).to(dtype).train()
@@ -293,3 +295,24 @@ def test_depth_key_rotation_is_llamas_bit_for_bit(dtype):
     cos, sin = LlamaRotaryEmbedding(tiny_config())(key, torch.arange(5).unsqueeze(0) + 7)  # (1, T, d = 12)
     expected = key * cos.unsqueeze(1) + rotate_half(key) * sin.unsqueeze(1)  # Llama's apply_rotary_pos_emb
     assert torch.equal(modeling_moda.rotate_depth_key(key, modeling_moda.depth_rotary(cos, sin)), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("group,entries,head_dim", [(1, 3, 12), (2, 2, 64), (1, 7, 64), (2, 11, 64)])
+def test_depth_products_match_einsum_on_both_sides_of_the_bmm_threshold(group, entries, head_dim, dtype):
+    """_depth_dots takes bmm or a broadcast multiply-sum by size; _depth_mix accumulates one slot at a time."""
+    tokens = 37
+    buffer = torch.randn(entries + 2, tokens, head_dim, dtype=dtype)
+    slots = buffer[1:entries + 1]  # (M, N, d): a window of a slot-major buffer
+    x = torch.randn(tokens, group, head_dim, dtype=dtype)
+    weights = torch.randn(tokens, group, entries, dtype=dtype)
+    start = torch.randn(tokens, group, head_dim, dtype=dtype)
+    eps = torch.finfo(dtype).eps
+    dots = depth_stream_module._depth_dots(x, slots)
+    expected = torch.einsum("ngd,mnd->ngm", x, slots)
+    torch.testing.assert_close(dots, expected, rtol=0, atol=16 * eps * head_dim * x.abs().max() * slots.abs().max())
+    mixed = depth_stream_module._depth_mix(weights, slots, start.clone())
+    expected = start + torch.einsum("ngm,mnd->ngd", weights, slots)
+    scale = max(1.0, (weights.abs().max() * slots.abs().max()).item(), start.abs().max().item())
+    bound = 16 * eps * (entries + 1) * scale
+    torch.testing.assert_close(mixed, expected, rtol=0, atol=bound)
