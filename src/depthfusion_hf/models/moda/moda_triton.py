@@ -39,8 +39,9 @@ Kernel design (the paper's "hardware-efficient MoDA", Sec. 3.2-3.3):
 Not covered by the kernels (``moda_attention`` routes these calls to the PyTorch path; this module
 never imports it): float64; a float mask that needs a gradient. Second-order gradients are computed
 by recomputing through a caller-supplied twice-differentiable op (``second_order``), else refused.
-Depth entries are read, and their gradients written, through strides: ``depth_k`` may be a slice of
-a larger token-major buffer. :func:`triton_moda_forward` / :func:`triton_moda_backward` expose the
+Depth entries are read, and their gradients written, through strides: ``depth_k`` may be a strided
+view of a larger buffer (the model's depth stream passes a window of its slot-major buffer).
+:func:`triton_moda_forward` / :func:`triton_moda_backward` expose the
 two halves without autograd for callers that own the backward (the model's depth stream).
 
 Known limit: a decoding step (T = 1) launches only B * Hkv programs, each scanning all S keys
@@ -756,7 +757,7 @@ def triton_moda_attention(
         q: [B, Hq, T, d] queries (fp16 / bf16 / fp32); query i sits at sequence position S - T + i.
         k, v: [B, Hkv, S, d] sequence keys / values, S >= T, Hq a multiple of Hkv.
         depth_k, depth_v: [B, Hkv, T, M, d] each token's own depth entries (M may be 0); any strides, e.g.
-            a slice ``buffer[:, :, :, lo:hi]`` of a larger token-major buffer. Their gradients have
+            ``buffer[lo:hi].permute(1, 3, 2, 0, 4)`` of a slot-major [M_max, B, T, Hkv, d] buffer. Their gradients have
             the same shape.
         attention_mask: bool (True = attend) or additive float, broadcastable to [B, Hq, T, S];
             sequence pool only; any broadcastable shape is read through strides. Not differentiated.
