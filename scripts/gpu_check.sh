@@ -61,6 +61,8 @@ fi
 
 # 1. Kernel tests on CUDA: the Triton kernels compiled for the device, against the references.
 step kernel_tests 120 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels
+# 1b. CUDA-only behaviour (token-id checks without a host sync).
+step cuda_tests 120 "$PY" -m pytest -q -x -p no:cacheprovider tests/cuda
 # 2. DWA: whole-depth forward+backward vs the paper's accumulator+tensordot, and bandwidth vs copy.
 step bench_dwa 100 "$PY" scripts/bench_dwa.py --device cuda --dtype bf16 --reps 10 --out "$OUT/bench_dwa.jsonl"
 # 3. Models: training step, peak memory and decode tokens/s against LlamaForCausalLM.
