@@ -439,9 +439,11 @@ class DepthBuffer:
     floating-point reassociation.
 
     The calls must come in the order of the keys; a call whose query or key weight is not the one its key was
-    taken from (or whose compute dtype is above the buffer's) runs the torch backend over views of the
-    sources instead. Written sources are never handed out (block sums are updated in place); calls return
-    fresh tensors. ``lock`` marks a buffer in use by a forward (a concurrent forward makes its own).
+    taken from (or that was changed in place since, or whose compute dtype is above the buffer's, or whose eps
+    is not the buffer's) runs the torch backend over views of the sources instead. Written sources are never
+    handed out (block sums are updated in place); calls return fresh tensors. ``lock`` marks a buffer in use by
+    a forward (a concurrent forward makes its own). The buffers are normal tensors even when made under
+    ``torch.inference_mode`` (a later forward without it writes them).
     """
 
     def __init__(self, first: torch.Tensor, capacity: int, num_calls: int, eps: float):
@@ -450,14 +452,16 @@ class DepthBuffer:
         self.shape, self.eps, self.num_calls = first.shape, eps, num_calls
         tokens = batch * length
         options = dict(dtype=first.dtype, device=first.device)
-        self.rows = torch.empty(capacity, tokens, dim + 1, **options)
-        self.rows[:, :, dim].fill_(math.sqrt(dim * eps))
-        self.keys = torch.zeros(num_calls, dim + 1, **options)
-        self._key_data = self.keys[:, :dim]
-        self.logits = torch.empty(num_calls, tokens, capacity, **options)
+        with torch.inference_mode(False):  # normal tensors: a later forward outside inference mode writes them
+            self.rows = torch.empty(capacity, tokens, dim + 1, **options)
+            self.rows[:, :, dim].fill_(math.sqrt(dim * eps))
+            self.keys = torch.zeros(num_calls, dim + 1, **options)
+            self._key_data = self.keys[:, :dim]
+            self.logits = torch.empty(num_calls, tokens, capacity, **options)
         self.lock = threading.Lock()
         self.count = self.calls = 0
         self.params: tuple[torch.Tensor, ...] = ()
+        self.versions: tuple[int, ...] = ()  # the params' version counters when the keys were taken
         self._slots: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._call_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -470,6 +474,9 @@ class DepthBuffer:
         """Begin a forward: take every call's key (in call order) and write ``first`` [B, T, D] as source 0."""
         self.count = self.calls = 0
         self.params = self._take_keys(queries, key_norm_weights)
+        self.versions = parameter_versions(self.params) or ()
+        if not self.versions:
+            self.params = ()
         self.write(first, new_source=True)
 
     def _take_keys(self, queries: list[torch.Tensor], key_norm_weights: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -483,7 +490,8 @@ class DepthBuffer:
             return ()
         if not (w.device == g.device == self.rows.device and compute_dtype(self.rows.dtype, w, g) == self.rows.dtype):
             return ()
-        torch.mul(w, g, out=self._key_data).mul_(math.sqrt(self.shape[-1]))
+        dtype = self.rows.dtype  # the product in the compute dtype, as the op takes it (not in the params' dtype)
+        torch.mul(w.to(dtype), g.to(dtype), out=self._key_data).mul_(math.sqrt(self.shape[-1]))
         return (*queries, *key_norm_weights)
 
     def write(self, output: torch.Tensor, new_source: bool) -> None:
@@ -521,26 +529,37 @@ class DepthBuffer:
             self._call_views[key] = (logits, sources)
         return self._call_views[key]
 
+    def _key_is_current(self, call: int, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float) -> bool:
+        """Whether call ``call``'s logits in the table are its own: its key was taken from these very parameters,
+        unchanged since (version counters), and its eps is the buffer's."""
+        if not self.params or call >= self.num_calls or eps != self.eps:
+            return False
+        j = self.num_calls + call
+        return (query is self.params[call] and key_norm_weight is self.params[j]
+                and query._version == self.versions[call] and key_norm_weight._version == self.versions[j])
+
     def sources(self) -> list[torch.Tensor]:
         """The current sources as views [B, T, D] (valid until the next write)."""
         return [self._slot(i)[1].view(self.shape) for i in range(self.count)]
 
     def mix(
-        self, query: torch.Tensor, key_norm_weight: torch.Tensor, return_weights: bool = False
+        self, query: torch.Tensor, key_norm_weight: torch.Tensor, return_weights: bool = False,
+        eps: float | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The next AttnRes call over the current sources.
 
         Args:
             query: [D] (the call's ``w``). key_norm_weight: [D] (``g``). return_weights: also return alpha.
+            eps: the call's RMSNorm epsilon (None: the buffer's).
         Returns:
             h [B, T, D] (the sources' dtype), or ``(h, alpha)`` with alpha [B, T, n] in that dtype.
         """
         call, n = self.calls, self.count
         self.calls += 1
-        if (not self.params or call >= self.num_calls or query is not self.params[call]
-                or key_norm_weight is not self.params[self.num_calls + call]):
-            return attention_residual_with_backend(query, self.sources(), key_norm_weight, self.eps,
-                                                   return_weights, "torch")
+        eps = self.eps if eps is None else eps
+        if not self._key_is_current(call, query, key_norm_weight, eps):
+            return attention_residual_with_backend(query, self.sources(), key_norm_weight, eps, return_weights,
+                                                   "torch")
         logits, sources = self._views(call, n)
         alpha = torch.softmax(logits, dim=-1)  # [M, n], or [n] for one token
         if sources.dim() == 2:  # one token: [D, n] @ [n]
@@ -580,6 +599,15 @@ def uses_logit_rows(backend: str, source: torch.Tensor) -> bool:
         backend: a resolved backend. source: one source [B, T, D] (all share its shape).
     """
     return backend == "torch" and torch.is_grad_enabled() and source.numel() > SMALL_NUMEL
+
+
+def parameter_versions(tensors: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+    """The version counters of ``tensors`` (bumped by every in-place change), to tell later whether a value
+    computed from them is stale; None when one has none (an inference tensor): then do not cache from them."""
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:
+        return None
 
 
 def call_keys(queries: Sequence[torch.Tensor], key_norm_weights: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -802,6 +830,7 @@ __all__ = [
     "attnres_torch",
     "call_keys",
     "check_attnres_inputs",
+    "parameter_versions",
     "resolve_backend",
     "source_inv_rms",
     "source_logit_rows",

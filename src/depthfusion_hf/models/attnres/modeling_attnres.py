@@ -59,6 +59,7 @@ from .attnres import (
     attention_residual_from_rows,
     attention_residual_with_backend,
     call_keys,
+    parameter_versions,
     resolve_backend,
     source_logit_rows,
     uses_depth_buffer,
@@ -84,9 +85,9 @@ def add_to_depth_state(
     return (*sources[:-1], sources[-1] + output)
 
 
-def num_depth_sources(config: AttnResConfig) -> int:
+def num_depth_sources(num_sublayers: int, block_size: int) -> int:
     """The most sources a call reads: the embedding and every sub-layer output (full), or every block sum."""
-    return 1 + -(-2 * config.num_hidden_layers // config.effective_block_size)
+    return 1 + -(-num_sublayers // block_size)
 
 
 def grow_depth_state(
@@ -124,13 +125,19 @@ def row_start(source: int, call: int, block_size: int) -> int:
 @dataclass
 class LogitRows:
     """What a call needs to run from its sources' logit rows: the rows, its column in each, and the parameters
-    its key was taken from (a call whose own parameters are others, e.g. swapped in by a wrapper, ignores the
-    rows)."""
+    its key was taken from with their version counters then (a call whose own parameters are others, e.g.
+    swapped in by a wrapper, or were changed in place since, ignores the rows)."""
 
     rows: tuple[torch.Tensor, ...]
     columns: tuple[int, ...]
     query: torch.Tensor
     key_norm_weight: torch.Tensor
+    versions: tuple[int, int]
+
+    def current_for(self, query: torch.Tensor, key_norm_weight: torch.Tensor) -> bool:
+        """Whether the rows hold the logits of a call with these parameters (the same tensors, unchanged)."""
+        return (query is self.query and key_norm_weight is self.key_norm_weight
+                and (query._version, key_norm_weight._version) == self.versions)
 
 
 class AttnResForwardState:
@@ -148,6 +155,7 @@ class AttnResForwardState:
         # which the keys were taken; the layers then carry each source's logit rows and the keys next to the
         # sources. Set by the model forward, once.
         self.key_params: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.key_versions: tuple[int, ...] = ()  # their version counters then (queries', then weights')
         # Without gradients over few tokens (cached decoding; see ``uses_depth_buffer``) the sources live here,
         # and the layers pass no source tensors; set by the model forward, once.
         self.buffer: DepthBuffer | None = None
@@ -274,9 +282,8 @@ class AttnResMix(nn.Module):
                 [B, T, C] each) and this call's column: used when this call's parameters are those of the keys.
         """
         if isinstance(sources, DepthBuffer):
-            return sources.mix(self.query, self.key_norm_weight, return_weights)
-        if (logit_rows is not None and self.query is logit_rows.query
-                and self.key_norm_weight is logit_rows.key_norm_weight):
+            return sources.mix(self.query, self.key_norm_weight, return_weights, self.eps)
+        if logit_rows is not None and logit_rows.current_for(self.query, self.key_norm_weight):
             return attention_residual_from_rows(logit_rows.columns, sources, logit_rows.rows, return_weights)
         if backend is None:
             return attention_residual(self.query, sources, self.key_norm_weight, eps=self.eps,
@@ -360,7 +367,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         if rows is not None:
             rows = add_to_row_state(rows, sources, self.attn_starts_block, keys, call + 1, self.block_size,
                                     self.mlp_res.eps)
-            logit_rows = self._logit_rows(rows, call, key_params)
+            logit_rows = self._logit_rows(rows, call, attnres_state)
         # differs from Llama: + attn_out
         hidden_states = self._mix(self.mlp_res, buffer or sources, backend, record, logit_rows)
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -368,15 +375,17 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         if rows is not None:
             rows = add_to_row_state(rows, sources, self.mlp_starts_block, keys, call + 2, self.block_size,
                                     self.output_res.eps)
-            logit_rows = self._logit_rows(rows, call + 1, key_params)
+            logit_rows = self._logit_rows(rows, call + 1, attnres_state)
         # differs from Llama: + mlp_out
         hidden_states = self._mix(self.output_res, buffer or sources, backend, record, logit_rows)
         return (hidden_states, *sources, *(rows or ()), *(() if keys is None else (keys,)))
 
-    def _logit_rows(self, rows: tuple[torch.Tensor, ...], call: int, key_params) -> LogitRows:
-        """Call ``call``'s view of the rows: its column in each, and the parameters of its key."""
+    def _logit_rows(self, rows: tuple[torch.Tensor, ...], call: int, state: AttnResForwardState) -> LogitRows:
+        """Call ``call``'s view of the rows: its column in each, and the parameters of its key (and versions)."""
         columns = tuple(call - row_start(j, call, self.block_size) for j in range(len(rows)))
-        return LogitRows(rows, columns, key_params[0][call], key_params[1][call])
+        (queries, weights), versions = state.key_params, state.key_versions
+        return LogitRows(rows, columns, queries[call], weights[call],
+                         (versions[call], versions[len(queries) + call]))
 
     @staticmethod
     def _mix(mix: AttnResMix, sources, backend: str | None, record: list[torch.Tensor] | None,
@@ -525,8 +534,9 @@ class AttnResModel(AttnResPreTrainedModel):
         pool = DEPTH_BUFFERS.setdefault(self, [])
         layers = itertools.islice(self.layers, self.config.num_hidden_layers)  # (slicing builds a ModuleList)
         calls = [mix for layer in layers for mix in (layer.mlp_res, layer.output_res)]
-        buffer = acquire_depth_buffer(pool, inputs_embeds, num_depth_sources(self.config), len(calls),
-                                      self.config.rms_norm_eps)
+        # the calls' eps and the layers' block size (fixed at construction), not the config's now
+        buffer = acquire_depth_buffer(pool, inputs_embeds, num_depth_sources(len(calls), self.layers[0].block_size),
+                                      len(calls), calls[0].eps)
         buffer.start(inputs_embeds, [mix.query for mix in calls], [mix.key_norm_weight for mix in calls])
         return buffer
 
@@ -534,17 +544,20 @@ class AttnResModel(AttnResPreTrainedModel):
         """Take every call's key once (``call_keys``) and score the embedding [B, T, D] for every call.
 
         Returns ``(embedding's logit rows [B, T, C], keys [C, D])`` to pass after the sources, and records the
-        parameters of the keys in ``state.key_params``; ``()`` (each call scores its own sources) when a call's
-        parameters are not on the embedding's device (e.g. offloaded).
+        parameters of the keys in ``state.key_params`` (their version counters in ``state.key_versions``); ``()``
+        (each call scores its own sources) when a call's parameters are not on the embedding's device (e.g.
+        offloaded), have no version counter (inference tensors), or the calls' eps differ.
         """
         layers = itertools.islice(self.layers, self.config.num_hidden_layers)
         calls = [mix for layer in layers for mix in (layer.mlp_res, layer.output_res)]
         queries, weights = [mix.query for mix in calls], [mix.key_norm_weight for mix in calls]
-        if any(p.device != inputs_embeds.device for p in (*queries, *weights)):
+        eps = {mix.eps for mix in calls}
+        versions = parameter_versions((*queries, *weights))
+        if any(p.device != inputs_embeds.device for p in (*queries, *weights)) or len(eps) != 1 or versions is None:
             return ()
         keys = call_keys(queries, weights)
-        state.key_params = (queries, weights)
-        return source_logit_rows(inputs_embeds, keys, self.config.rms_norm_eps), keys
+        state.key_params, state.key_versions = (queries, weights), versions
+        return source_logit_rows(inputs_embeds, keys, eps.pop()), keys
 
     def run_layers(
         self,
