@@ -291,3 +291,56 @@ def test_one_call_with_its_own_eps(path, monkeypatch):
     grad = path == "rows"
     got = logits_on(model, ids, "torch", monkeypatch, grad)
     assert_close(got, logits_on(model, ids, "reference", monkeypatch, grad))
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["adapter", "disabled"])
+def test_peft_modules_to_save_copies_on_the_buffer_path(disabled, monkeypatch):
+    """PEFT ``modules_to_save`` on every call, the adapter's copies changed (so they differ from the originals):
+    with the adapter and under ``disable_adapter()`` the buffer path gives the reference backend's logits."""
+    from peft import LoraConfig, get_peft_model
+
+    model = make_model(3)
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                  modules_to_save=["mlp_res", "output_res"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".modules_to_save." in name and name.endswith(".query"):
+                param.mul_(-1.5)
+    ids = ids_of((2, 1))
+    got = {}
+    for backend in ("torch", "reference"):
+        monkeypatch.setenv("DEPTHFUSION_BACKEND", backend)
+        with torch.no_grad():
+            if disabled:
+                with peft_model.disable_adapter():
+                    got[backend] = peft_model(input_ids=ids).logits
+            else:
+                got[backend] = peft_model(input_ids=ids).logits
+    assert_close(got["torch"], got["reference"])
+
+
+def test_train_eval_switch_and_model_built_in_inference_mode(monkeypatch):
+    """``train()``/``eval()`` toggled between decoding steps, and a model whose parameters are inference tensors
+    (built under ``torch.inference_mode``: no version counters, so no cached keys): the reference's scores."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Toggle(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            model.train(not model.training)
+            return scores
+
+    model = make_model(3)
+    ids = ids_of((2, 3))
+    scores = {}
+    for backend in ("torch", "reference"):
+        monkeypatch.setenv("DEPTHFUSION_BACKEND", backend)
+        model.eval()
+        scores[backend] = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                         logits_processor=LogitsProcessorList([Toggle()]), output_scores=True,
+                                         return_dict_in_generate=True).scores
+    for got, want in zip(scores["torch"], scores["reference"]):
+        assert_close(got, want)
+    with torch.inference_mode():
+        frozen = make_model(3)
+        ids = ids_of((1, 1))
+        assert_close(logits_on(frozen, ids, "torch", monkeypatch), logits_on(frozen, ids, "reference", monkeypatch))
