@@ -41,6 +41,7 @@ next to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch.nn import functional as F
@@ -138,6 +139,27 @@ def _detached(saved):
     return saved
 
 
+def _first_order_only(backward):
+    """``once_differentiable`` that refuses a backward with ``create_graph=True`` instead of answering it.
+
+    ``once_differentiable`` alone hands back gradients that are cut off from the graph: a later
+    ``torch.autograd.grad`` w.r.t. the parameters then silently leaves out every second-order term through the
+    stream (its error node is pruned, not run). The stream's backward is first order only, so it says so.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "MoDA's depth stream computes first-order gradients only; got a backward with create_graph=True "
+                "(higher-order gradients). For them run the forward on the tuple path with the reference backend: "
+                "DEPTHFUSION_BACKEND=reference"
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
 class _StreamWrite(torch.autograd.Function):
     """Copy one entry (key, value [B, Hkv, T, d]) into its slot; return the next ordering token (empty)."""
 
@@ -150,6 +172,7 @@ class _StreamWrite(torch.autograd.Function):
         return key.new_empty(0)
 
     @staticmethod
+    @_first_order_only
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_token):  # noqa: D102
         # Every reader of this slot consumed a token that depends on ours, so all of them have run their
@@ -177,6 +200,7 @@ class _StreamRead(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_first_order_only
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
         stream: DepthStream = ctx.stream

@@ -469,12 +469,20 @@ class MoDAModel(MoDAPreTrainedModel):
 
         # Differs from Llama: the per-token depth stream, rebuilt for the processed tokens on every call.
         layers = self.layers[: self.config.num_hidden_layers]
+        tokens = hidden_states.shape[1]
+        if causal_mask is None and cache is not None and tokens > 1 and cache.get_mask_sizes(tokens, 0)[0] != tokens:
+            # transformers leaves the mask out for a prefill into an empty fixed-size cache (StaticCache): SDPA's
+            # top-left causal alignment over all max_cache_len keys. moda_attention aligns a missing mask bottom-right
+            # (the queries are the last T of the S keys), so this pass needs the mask written out.
+            causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=None,
+                                             cache=cache, position_ids=position_ids, allow_is_causal_skip=False)
         stream = self.depth_stream(hidden_states, causal_mask)
         depth_rope = depth_rotary(*position_embeddings) if self.config.moda_ffn_kv else None
         # Fallback: tuples (not lists) go to the layers so that a checkpointed layer recomputes on the same entries.
         depth_keys: tuple[torch.Tensor, ...] = ()
         depth_values: tuple[torch.Tensor, ...] = ()
         for decoder_layer in layers:
+            layer_input = hidden_states
             hidden_states, new_keys, new_values = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask,
@@ -489,6 +497,14 @@ class MoDAModel(MoDAPreTrainedModel):
                 **kwargs,
             )
             if stream is None:
+                if layer_input.requires_grad and not all(x.requires_grad for x in new_keys + new_values):
+                    # Reentrant checkpointing runs the layer without autograd and tracks only its top-level tensors:
+                    # the entries come back cut off and every gradient through them would silently be missing.
+                    raise RuntimeError(
+                        "MoDA's depth entries came back from a checkpointed layer without gradient: gradient "
+                        "checkpointing with use_reentrant=True is not supported (the entries are nested outputs); use "
+                        "activation_checkpointing_enable() with use_reentrant=False (the default)"
+                    )
                 depth_keys, depth_values = depth_keys + new_keys, depth_values + new_values
         if stream is not None:
             stream.close()
