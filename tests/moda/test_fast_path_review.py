@@ -474,3 +474,29 @@ def test_depth_products_at_the_threshold_edges(group, entries, head_dim):
     close(mixed, torch.einsum("ngm,mnd->ngd", weights, slots), 4 * entries,
           scale=(weights.abs().max() * slots.abs().max()).item())
     assert eps > 0
+
+
+def test_second_backward_reaching_only_the_first_layers_equals_the_reference(monkeypatch):
+    """Two backwards through one retained graph: the second starts at layer 1's output, so the later readers'
+    backward does not run; their output-gradient rows from the first backward must not leak into it."""
+    model = tiny_model(seed=20).to(F64).train()
+    ids = torch.randint(3, 97, (2, 6))
+    params = dict(model.named_parameters())
+    torch.manual_seed(3)
+    probe = torch.randn(2, 6, 48, dtype=F64)
+
+    def two_backwards():
+        out = model(ids, labels=ids, output_hidden_states=True)
+        torch.autograd.grad(out.loss, list(params.values()), retain_graph=True, allow_unused=True)
+        partial = (out.hidden_states[2] * probe).sum()  # the output of layer 1
+        return torch.autograd.grad(partial, list(params.values()), allow_unused=True)
+
+    with fast_path(monkeypatch):
+        got = two_backwards()
+    with reference_path(model, monkeypatch):
+        ref = two_backwards()
+    assert ref[list(params).index("model.layers.0.ffn_kv_proj.weight")].abs().max() > 0
+    for name, a, b in zip(params, got, ref):
+        assert (a is None) == (b is None), name
+        if b is not None:
+            close(a, b, 256)
