@@ -344,3 +344,24 @@ def test_train_eval_switch_and_model_built_in_inference_mode(monkeypatch):
         frozen = make_model(3)
         ids = ids_of((1, 1))
         assert_close(logits_on(frozen, ids, "torch", monkeypatch), logits_on(frozen, ids, "reference", monkeypatch))
+
+
+@pytest.mark.parametrize("path", ["buffer", "rows"])
+def test_float32_calls_in_a_float64_model(path, monkeypatch):
+    """float32 pseudo-queries and key-norm weights in a float64 model: the op computes in float64, the keys
+    ``w * g`` included (exact in float64, rounded in float32: ~1e-8 in the weights before the fix). The first
+    call's weights depend only on computations both backends share, so they agree to float64 rounding."""
+    model = make_model(3)
+    for layer in model.model.layers:
+        layer.mlp_res.float()
+        layer.output_res.float()
+    if path == "rows":
+        monkeypatch.setattr(attnres, "SMALL_NUMEL", -1)
+    ids = ids_of((2, 3))
+    first = {}
+    for backend in ("torch", "reference"):
+        monkeypatch.setenv("DEPTHFUSION_BACKEND", backend)
+        with torch.set_grad_enabled(path == "rows"):
+            first[backend] = model.model(ids, use_cache=False, output_depth_weights=True).depth_weights[0].detach()
+    assert first["torch"].dtype == first["reference"].dtype == torch.float64
+    assert (first["torch"] - first["reference"]).abs().max() <= 64 * torch.finfo(torch.float64).eps

@@ -610,14 +610,17 @@ def parameter_versions(tensors: Sequence[torch.Tensor]) -> tuple[int, ...] | Non
         return None
 
 
-def call_keys(queries: Sequence[torch.Tensor], key_norm_weights: Sequence[torch.Tensor]) -> torch.Tensor:
+def call_keys(
+    queries: Sequence[torch.Tensor], key_norm_weights: Sequence[torch.Tensor], source_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Every call's ``u_c = w_c * g_c``: [C, D] in the compute dtype (differentiable), for :func:`source_logit_rows`.
 
     Args:
         queries: C tensors [D] (the calls' ``w``). key_norm_weights: C tensors [D] (their ``g``).
+        source_dtype: the sources' dtype: float64 sources take the product in float64 (as the op does).
     """
     w, g = torch.stack(tuple(queries)), torch.stack(tuple(key_norm_weights))
-    cd = torch.promote_types(torch.promote_types(w.dtype, g.dtype), torch.float32)
+    cd = torch.promote_types(torch.promote_types(w.dtype, g.dtype), torch.promote_types(source_dtype, torch.float32))
     return w.to(cd) * g.to(cd)
 
 

@@ -555,7 +555,7 @@ class AttnResModel(AttnResPreTrainedModel):
         versions = parameter_versions((*queries, *weights))
         if any(p.device != inputs_embeds.device for p in (*queries, *weights)) or len(eps) != 1 or versions is None:
             return ()
-        keys = call_keys(queries, weights)
+        keys = call_keys(queries, weights, inputs_embeds.dtype)
         state.key_params, state.key_versions = (queries, weights), versions
         return source_logit_rows(inputs_embeds, keys, eps.pop()), keys
 
