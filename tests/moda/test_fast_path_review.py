@@ -331,18 +331,7 @@ def test_gradient_checkpointing_equals_the_reference(monkeypatch):
         close(grads[name], ref, 256)
 
 
-@pytest.mark.parametrize("every_n_layers", [1, 2])
-def test_reentrant_checkpointing_is_rejected(monkeypatch, every_n_layers):
-    """use_reentrant=True runs a layer without autograd and tracks only its top-level outputs: the depth entries
-    (nested tuples) came back cut off, every gradient through them silently missing (layer 0's ffn_kv_proj got
-    none at all). Rejected with a RuntimeError naming the setting that works."""
-    model = tiny_model(seed=14).to(F64).train()
-    ids = torch.randint(3, 97, (2, 6))
-    model.activation_checkpointing_enable({"use_reentrant": True}, every_n_layers=every_n_layers)
-    with fast_path(monkeypatch), pytest.raises(RuntimeError, match="use_reentrant=True is not supported"):
-        model(ids, labels=ids)
-    with torch.no_grad():  # no backward to replay: nothing is checkpointed, nothing to reject
-        model(ids)
+# Reentrant checkpointing (use_reentrant=True) computes exact gradients: tests/moda/test_reentrant_checkpointing.py.
 
 
 SECOND_ORDER_ERROR = "first-order gradients only; got a backward with create_graph=True"

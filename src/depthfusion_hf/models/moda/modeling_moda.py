@@ -20,8 +20,9 @@ Depth stream: each forward pass writes the entries once into a preallocated slot
 gradient is accumulated in place into one stream-owned buffer. Where the stream's autograd path does
 not apply (gradients enabled with the ``reference`` backend, the PyTorch path off CPU, a Python
 dispatch mode, or gradient checkpointing, whose recomputation would write the buffer again) the
-model falls back to passing the entries as tuples and stacking them per layer, the original path
-(``MoDAModel.uses_depth_stream`` is the one place that decides).
+model falls back to passing the entries to each layer as flat positional tensors (so that reentrant
+checkpointing tracks them) and stacking them per layer, the original path (``MoDAModel.uses_depth_stream``
+is the one place that decides).
 """
 
 from __future__ import annotations
@@ -272,8 +273,8 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
     y = post_feedforward_layernorm(h + mlp(h))``.
     The FFN input (``norm2(h)`` or ``h``) is what ``ffn_kv_proj`` projects.
 
-    Returns ``(hidden_states [B, T, D], new_keys, new_values)``: the entries this layer appends to
-    the depth stream, each [B, Hkv, T, d] (one or two of them). With a ``depth_stream`` the layer also
+    Returns ``(hidden_states [B, T, D], *new_keys, *new_values)``, flat: the entries this layer appends to
+    the depth stream, each [B, Hkv, T, d] (one or two keys, as many values). With a ``depth_stream`` the layer also
     writes them into it (slots ``depth_slot`` and ``depth_slot + 1``; the last layer writes none).
     """
 
@@ -320,9 +321,8 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        *depth_entries: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        depth_keys: tuple[torch.Tensor, ...] = (),
-        depth_values: tuple[torch.Tensor, ...] = (),
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = False,
@@ -330,9 +330,12 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         depth_stream: DepthStream | None = None,
         depth_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    ) -> tuple[torch.Tensor, ...]:
         """One block; with ``depth_stream`` it reads its depth window from and writes its entries to the stream.
 
+        ``depth_entries``: without a stream, every entry written so far, flat ``(*keys, *values)`` (M keys then
+        M values, each [B, Hkv, T, d]); positional, so that reentrant gradient checkpointing tracks their
+        gradients (it tracks only top-level positional inputs and outputs). Empty with a stream.
         ``depth_rope``: :func:`depth_rotary` of ``position_embeddings``, built once per pass by the model (made
         here when not given).
         """
@@ -340,11 +343,12 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         if pre_norm:
             hidden_states = self.input_layernorm(hidden_states)
+        written = len(depth_entries) // 2
         hidden_states, _, (attn_key, attn_value) = self.self_attn(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
-            depth_keys=depth_keys,
-            depth_values=depth_values,
+            depth_keys=depth_entries[:written],
+            depth_values=depth_entries[written:],
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
@@ -365,13 +369,12 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         if not pre_norm:
             hidden_states = self.post_feedforward_layernorm(hidden_states)
 
-        new_keys, new_values = (attn_key,), (attn_value,)
-        if self.writes_ffn_kv:
-            ffn_key, ffn_value = self.ffn_entry(ffn_input, depth_rope or depth_rotary(*position_embeddings))
-            new_keys, new_values = (attn_key, ffn_key), (attn_value, ffn_value)
-            if depth_stream is not None:
-                depth_stream.write(self.depth_slot + 1, ffn_key, ffn_value)
-        return hidden_states, new_keys, new_values
+        if not self.writes_ffn_kv:
+            return hidden_states, attn_key, attn_value
+        ffn_key, ffn_value = self.ffn_entry(ffn_input, depth_rope or depth_rotary(*position_embeddings))
+        if depth_stream is not None:
+            depth_stream.write(self.depth_slot + 1, ffn_key, ffn_value)
+        return hidden_states, attn_key, ffn_key, attn_value, ffn_value
 
 
 class MoDAPreTrainedModel(PreTrainedModel):
@@ -478,16 +481,16 @@ class MoDAModel(MoDAPreTrainedModel):
                                              cache=cache, position_ids=position_ids, allow_is_causal_skip=False)
         stream = self.depth_stream(hidden_states, causal_mask)
         depth_rope = depth_rotary(*position_embeddings) if self.config.moda_ffn_kv else None
-        # Fallback: tuples (not lists) go to the layers so that a checkpointed layer recomputes on the same entries.
+        # Fallback: the entries go to the layers as positional tensors and come back flat, so that reentrant
+        # checkpointing (which tracks only top-level tensors) passes their gradients.
         depth_keys: tuple[torch.Tensor, ...] = ()
         depth_values: tuple[torch.Tensor, ...] = ()
         for decoder_layer in layers:
-            layer_input = hidden_states
-            hidden_states, new_keys, new_values = decoder_layer(
+            hidden_states, *new_entries = decoder_layer(
                 hidden_states,
+                *depth_keys,
+                *depth_values,
                 attention_mask=causal_mask,
-                depth_keys=depth_keys,
-                depth_values=depth_values,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
                 cache=cache,
@@ -497,15 +500,9 @@ class MoDAModel(MoDAPreTrainedModel):
                 **kwargs,
             )
             if stream is None:
-                if layer_input.requires_grad and not all(x.requires_grad for x in new_keys + new_values):
-                    # Reentrant checkpointing runs the layer without autograd and tracks only its top-level tensors:
-                    # the entries come back cut off and every gradient through them would silently be missing.
-                    raise RuntimeError(
-                        "MoDA's depth entries came back from a checkpointed layer without gradient: gradient "
-                        "checkpointing with use_reentrant=True is not supported (the entries are nested outputs); use "
-                        "activation_checkpointing_enable() with use_reentrant=False (the default)"
-                    )
-                depth_keys, depth_values = depth_keys + new_keys, depth_values + new_values
+                written = len(new_entries) // 2
+                depth_keys = (*depth_keys, *new_entries[:written])
+                depth_values = (*depth_values, *new_entries[written:])
         if stream is not None:
             stream.close()
         return hidden_states
