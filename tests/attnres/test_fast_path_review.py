@@ -18,10 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthfusion_hf.models.attnres import AttnResForCausalLM, attnres
-from depthfusion_hf.models.attnres.attnres import DepthBuffer
+from depthfusion_hf.models.attnres import AttnResForCausalLM
+from depthfusion_hf.models.attnres.shared_sources import DepthBuffer
 
-from .helpers import randomise_attnres, tiny_config
+from .helpers import randomise_attnres, set_small_numel, tiny_config
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -209,7 +209,7 @@ def test_config_eps_changed_after_construction(path, monkeypatch):
     model = make_model(3)
     model.config.rms_norm_eps = 0.5
     if path == "rows":
-        monkeypatch.setattr(attnres, "SMALL_NUMEL", -1)
+        set_small_numel(monkeypatch, -1)
     ids = ids_of((2, 3))
     grad = path == "rows"
     got = logits_on(model, ids, "torch", monkeypatch, grad)
@@ -222,7 +222,7 @@ def test_parameter_changed_in_place_inside_a_forward(path, monkeypatch):
     follow read the new value, as on the reference backend (the fast paths must not use the stale key)."""
     model = make_model(3)
     if path == "rows":
-        monkeypatch.setattr(attnres, "SMALL_NUMEL", -1)
+        set_small_numel(monkeypatch, -1)
     query = model.model.layers[3].mlp_res.query
     before = query.detach().clone()
 
@@ -244,7 +244,7 @@ def test_parameter_changed_in_place_inside_a_forward(path, monkeypatch):
 def test_rows_path_after_an_optimizer_step_and_with_one_token(block_size, monkeypatch):
     """Training on the rows path: after an optimizer step (new keys), and with gradients for a single token,
     the loss and every gradient equal the reference backend's (float64: 64 eps32 relative, as above)."""
-    monkeypatch.setattr(attnres, "SMALL_NUMEL", -1)
+    set_small_numel(monkeypatch, -1)
     model = make_model(block_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for shape in [(2, 5), (2, 5), (1, 1)]:
@@ -286,7 +286,7 @@ def test_one_call_with_its_own_eps(path, monkeypatch):
     model = make_model(2)
     model.model.layers[2].output_res.eps = 0.25
     if path == "rows":
-        monkeypatch.setattr(attnres, "SMALL_NUMEL", -1)
+        set_small_numel(monkeypatch, -1)
     ids = ids_of((2, 3))
     grad = path == "rows"
     got = logits_on(model, ids, "torch", monkeypatch, grad)
@@ -356,7 +356,7 @@ def test_float32_calls_in_a_float64_model(path, monkeypatch):
         layer.mlp_res.float()
         layer.output_res.float()
     if path == "rows":
-        monkeypatch.setattr(attnres, "SMALL_NUMEL", -1)
+        set_small_numel(monkeypatch, -1)
     ids = ids_of((2, 3))
     first = {}
     for backend in ("torch", "reference"):
@@ -376,7 +376,7 @@ def test_rows_path_under_cpu_autocast(monkeypatch):
     (measured worst 11.7 eps_bf16 for the reference, 11.3 for the rows path). Gates: loss to 16 eps_bf16,
     gradients to the reference 32 eps_bf16 in norm, and the rows path's worst distance to the float64 model's
     gradients at most twice the reference's (it is not less accurate)."""
-    monkeypatch.setattr(attnres, "SMALL_NUMEL", -1)
+    set_small_numel(monkeypatch, -1)
     ids = ids_of((2, 6))
 
     def loss_and_grads(model, autocast):

@@ -24,13 +24,13 @@ from tests.attnres._op_cases import (
     truth,
 )
 
-from .helpers import randomise_attnres, tiny_config
+from .helpers import randomise_attnres, set_small_numel, tiny_config
 
 
 @pytest.fixture
 def list_path(monkeypatch):
     """The torch backend's custom Function over the source list, whatever the size."""
-    monkeypatch.setattr(attnres, "SMALL_NUMEL", -1)
+    set_small_numel(monkeypatch, -1)
 
 
 def run_cached(query, sources, weight, grad_h, grad_alpha, detach_norms=False):
@@ -82,7 +82,7 @@ def test_cached_norms_gradcheck(list_path):
 @pytest.mark.parametrize("small", [False, True], ids=["list", "small"])
 def test_no_grad_matches_float64_truth(monkeypatch, shape, dtype, small):
     """Under ``torch.no_grad`` (decoding) both torch paths give the truth's values (also under bf16 autocast)."""
-    monkeypatch.setattr(attnres, "SMALL_NUMEL", 1 << 40 if small else -1)
+    set_small_numel(monkeypatch, 1 << 40 if small else -1)
     query, sources, weight = make_inputs(shape, dtype, param_dtype=dtype if dtype == torch.float64 else torch.float32)
     grad_h, grad_alpha = make_grads(shape, dtype)
     h64, alpha64, _ = truth(query, sources, weight, grad_h, grad_alpha)

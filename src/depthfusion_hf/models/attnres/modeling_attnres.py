@@ -52,20 +52,18 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .attnres import (
+from .attnres import attention_residual, attention_residual_with_backend, resolve_backend
+from .configuration_attnres import AttnResConfig
+from .shared_sources import (
     DepthBuffer,
     acquire_depth_buffer,
-    attention_residual,
     attention_residual_from_rows,
-    attention_residual_with_backend,
     call_keys,
     parameter_versions,
-    resolve_backend,
     source_logit_rows,
     uses_depth_buffer,
     uses_logit_rows,
 )
-from .configuration_attnres import AttnResConfig
 
 # Each model's DepthBuffers, reused from one cached-decoding forward to the next.
 DEPTH_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
