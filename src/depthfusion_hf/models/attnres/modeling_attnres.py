@@ -138,6 +138,16 @@ class LogitRows:
                 and (query._version, key_norm_weight._version) == self.versions)
 
 
+def calls_readable_ahead(calls: list[AttnResMix], hidden_size: int) -> bool:
+    """Whether every call's parameters (pseudo-query, key-norm weight) can be read before its layer runs, as the
+    shared-source paths do at the start of a forward: plain tensors of shape [hidden_size]. Not under FSDP2 or
+    tensor parallelism (sharded DTensors, gathered only inside their layer's forward) nor DeepSpeed ZeRO-3
+    (partitioned parameters are empty until gathered): those forwards take the per-call path.
+    """
+    params = [p for mix in calls for p in (mix.query, mix.key_norm_weight)]
+    return all(type(p) in (torch.Tensor, nn.Parameter) and p.shape == (hidden_size,) for p in params)
+
+
 class AttnResForwardState:
     """Per-forward bookkeeping the decoder layers share: the op backend resolved once per device, and (when
     asked) the list the layers append every AttnRes call's softmax weights to.
@@ -503,11 +513,13 @@ class AttnResModel(AttnResPreTrainedModel):
         state = AttnResForwardState(record_weights=output_depth_weights)
         backend = state.backend(inputs_embeds.device)
         held = None  # the DepthBuffer this forward holds (released at its end)
-        if uses_depth_buffer(backend, inputs_embeds):  # cached decoding: the sources in one buffer, none passed
+        # the shared-source paths read every call's parameters at the start; not possible when they are sharded
+        shareable = calls_readable_ahead(self.attnres_calls(), inputs_embeds.shape[-1])
+        if shareable and uses_depth_buffer(backend, inputs_embeds):  # cached decoding: the sources in one buffer
             state.buffer = held = self.start_depth_buffer(inputs_embeds)
             sources = ()
         rows: tuple[torch.Tensor, ...] = ()
-        if uses_logit_rows(backend, inputs_embeds):  # each source scored for every call once, when written
+        if shareable and uses_logit_rows(backend, inputs_embeds):  # each source scored for every call once
             rows = self.start_logit_rows(inputs_embeds, state)
         try:
             hidden_states = self.run_layers(hidden_states, sources, rows, state, causal_mask, position_embeddings,
@@ -523,6 +535,11 @@ class AttnResModel(AttnResPreTrainedModel):
             depth_weights=tuple(state.depth_weights) if output_depth_weights else None,
         )
 
+    def attnres_calls(self) -> list[AttnResMix]:
+        """Every AttnRes call of the decoder in order (each layer's ``mlp_res``, then its ``output_res``)."""
+        layers = itertools.islice(self.layers, self.config.num_hidden_layers)  # (slicing builds a ModuleList)
+        return [mix for layer in layers for mix in (layer.mlp_res, layer.output_res)]
+
     def start_depth_buffer(self, inputs_embeds: torch.Tensor) -> DepthBuffer:
         """A locked :class:`DepthBuffer` holding the embedding [B, T, D] and every call's key.
 
@@ -530,8 +547,7 @@ class AttnResModel(AttnResPreTrainedModel):
         pickles of the model do not carry them).
         """
         pool = DEPTH_BUFFERS.setdefault(self, [])
-        layers = itertools.islice(self.layers, self.config.num_hidden_layers)  # (slicing builds a ModuleList)
-        calls = [mix for layer in layers for mix in (layer.mlp_res, layer.output_res)]
+        calls = self.attnres_calls()
         # the calls' eps and the layers' block size (fixed at construction), not the config's now
         buffer = acquire_depth_buffer(pool, inputs_embeds, num_depth_sources(len(calls), self.layers[0].block_size),
                                       len(calls), calls[0].eps)
@@ -546,8 +562,7 @@ class AttnResModel(AttnResPreTrainedModel):
         (each call scores its own sources) when a call's parameters are not on the embedding's device (e.g.
         offloaded), have no version counter (inference tensors), or the calls' eps differ.
         """
-        layers = itertools.islice(self.layers, self.config.num_hidden_layers)
-        calls = [mix for layer in layers for mix in (layer.mlp_res, layer.output_res)]
+        calls = self.attnres_calls()
         queries, weights = [mix.query for mix in calls], [mix.key_norm_weight for mix in calls]
         eps = {mix.eps for mix in calls}
         versions = parameter_versions((*queries, *weights))
