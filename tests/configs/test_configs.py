@@ -15,7 +15,7 @@ import depthfusion_hf  # noqa: F401  (registers the model types)
 from depthfusion_hf.export import AUTO_CLASSES
 from depthfusion_hf.models.moda.cost import moda_cost
 from depthfusion_hf.recipes.clm import MODEL_KINDS, build_config, load_arch
-from depthfusion_hf.recipes.ner import NerSettings
+from depthfusion_hf.recipes.ner import NerSettings, load_selected
 from depthfusion_hf.recipes.ner_study import NerStudySettings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -69,11 +69,18 @@ def test_every_config_builds(path):
             if key != "sizes" and not key.startswith("_"):  # sizes are parsed into objects; _comment is prose
                 target = settings if hasattr(settings, key) else settings.base
                 assert getattr(target, key) == value, key
+    elif path.name.endswith("_selected.json"):  # a NER study's choices, read by the recipe config(s) beside it
+        readers = [p for p in ALL_JSON if json.loads(p.read_text()).get("selected_settings") == path.name]
+        assert readers, f"{path.name}: no recipe config reads it"
+        for reader in readers:  # holds a point for every (size, fusion) of the reader's grid (else ValueError)
+            assert load_selected(NerSettings.from_config(reader))
     else:  # a NER recipe config: the recipe's settings must accept every key (unknown ones are rejected)
         assert path.name.startswith("ner_"), f"{path.name}: not a model, architecture or known recipe config"
         settings = NerSettings.from_config(path)
         for key, value in data.items():
-            if key != "sizes" and not key.startswith("_"):  # sizes are parsed into objects; _comment is prose
+            if key == "selected_settings":  # read beside the config
+                assert settings.selected_settings == str(path.parent / value) and Path(value).name == value
+            elif key != "sizes" and not key.startswith("_"):  # sizes are parsed into objects; _comment is prose
                 assert getattr(settings, key) == value, key
 
 

@@ -86,7 +86,7 @@ def test_a_few_real_steps_write_sane_outputs(tmp_path):
     out = tmp_path / "out"
     settings = ner.NerSettings.from_config(ROOT / "configs" / "ner_wnut16_fewshot.json", sizes=["8", "1-shot"],
                                            seeds=[1, 2], fusions=["last", "dwatt"], max_steps=2,
-                                           max_test_sentences=40, output_dir=str(out))
+                                           max_test_sentences=40, output_dir=str(out), selected_settings=None)
     payload = ner.run_experiment(settings)
     for name in ("runs.json", "runs.csv", "results.md", "f1_vs_size.png"):
         assert (out / name).is_file(), name
@@ -161,3 +161,22 @@ def test_a_config_finds_its_selected_settings_beside_it_from_any_working_directo
     absolute = tmp_path / "elsewhere.json"
     (folder / "abs.json").write_text(json.dumps({"selected_settings": str(absolute)}))
     assert ner.read_config(folder / "abs.json")["selected_settings"] == str(absolute)
+
+
+def test_the_script_defaults_to_the_settings_the_study_selected(tmp_path, monkeypatch):
+    from tests.recipes.test_compare_families import load_script
+
+    script = load_script("train_ner_fewshot")
+    monkeypatch.chdir(tmp_path)  # any working directory
+    settings = script.parse_args([])
+    assert settings.selected_settings == str(ROOT / "configs" / "ner_wnut16_selected.json")
+    selected = json.loads((ROOT / "configs" / "ner_wnut16_selected.json").read_text())
+    loaded = ner.load_selected(settings)
+    for size in settings.sizes:
+        for fusion in settings.fusions:
+            cell = ner.cell_settings(settings, loaded, size, fusion)
+            point = selected[size.label][fusion]
+            assert (cell.learning_rate, cell.head_learning_rate, cell.max_steps) == (
+                point["learning_rate"], point["head_learning_rate"], point["max_steps"])
+    plain = script.parse_args(["--selected_settings", ""])
+    assert ner.load_selected(plain) == {} and plain.max_steps == ner.NerSettings().max_steps
