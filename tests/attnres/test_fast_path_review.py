@@ -202,12 +202,23 @@ def test_half_precision_calls_in_a_float32_model(monkeypatch, buffer_mixes):
     assert_close(got, logits_on(model, ids, "reference", monkeypatch), 256)
 
 
-@pytest.mark.parametrize("path", ["buffer", "rows"])
-def test_config_eps_changed_after_construction(path, monkeypatch):
-    """``config.rms_norm_eps`` changed after construction: every call keeps the eps it was built with (the
-    reference backend reads the call's ``eps``); the fast paths must not take the config's."""
-    model = make_model(3)
+def change_config_eps(model) -> None:
     model.config.rms_norm_eps = 0.5
+
+
+def change_one_calls_eps(model) -> None:
+    model.model.layers[2].output_res.eps = 0.25
+
+
+@pytest.mark.parametrize("path", ["buffer", "rows"])
+@pytest.mark.parametrize("block_size,change", [(3, change_config_eps), (2, change_one_calls_eps)],
+                         ids=["config-eps-after-construction", "one-call-with-its-own-eps"])
+def test_each_call_uses_its_own_eps(path, block_size, change, monkeypatch):
+    """``config.rms_norm_eps`` changed after construction (every call keeps the eps it was built with), or one
+    call's ``eps`` set apart from the others: the reference backend reads each call's ``eps``, and the fast
+    paths must too (not the config's, nor one eps for all calls)."""
+    model = make_model(block_size)
+    change(model)
     if path == "rows":
         set_small_numel(monkeypatch, -1)
     ids = ids_of((2, 3))
@@ -278,19 +289,6 @@ def test_config_block_size_changed_after_construction(monkeypatch, buffer_mixes)
     got = logits_on(model, ids, "torch", monkeypatch)
     assert buffer_mixes["mix"] == 2 * model.config.num_hidden_layers
     assert_close(got, logits_on(model, ids, "reference", monkeypatch))
-
-
-@pytest.mark.parametrize("path", ["buffer", "rows"])
-def test_one_call_with_its_own_eps(path, monkeypatch):
-    """One call's ``eps`` set apart from the others: that call uses its own eps on every path."""
-    model = make_model(2)
-    model.model.layers[2].output_res.eps = 0.25
-    if path == "rows":
-        set_small_numel(monkeypatch, -1)
-    ids = ids_of((2, 3))
-    grad = path == "rows"
-    got = logits_on(model, ids, "torch", monkeypatch, grad)
-    assert_close(got, logits_on(model, ids, "reference", monkeypatch, grad))
 
 
 @pytest.mark.parametrize("disabled", [False, True], ids=["adapter", "disabled"])
