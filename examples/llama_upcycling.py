@@ -52,7 +52,7 @@ def train(model, blocks: torch.Tensor, steps: int, lr: float = 3e-3, new_param_l
           batch_size: int = 8, seed: int = 0) -> list[float]:
     """``steps`` AdamW steps on random batches of ``blocks`` [N, T], the parameters a Llama lacks at
     ``new_param_lr_scale`` x ``lr``; returns the loss of every step."""
-    new = set(new_parameter_names(model)) if model.config.model_type != "llama" else set()
+    new = set(new_parameter_names(model))  # a Llama lacks nothing of its own: one group
     named = list(model.named_parameters())
     groups = [{"params": [p for n, p in named if n not in new], "lr": lr},
               {"params": [p for n, p in named if n in new], "lr": lr * new_param_lr_scale}]

@@ -171,8 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
         figure = plot(trained, out, torch.tensor(val[0]["input_ids"])[None], f"{name}, {args.max_steps} steps")
         print(f"{FAMILIES[args.model].title} analysis plot: {figure}")
 
-    # Upcycling: the parameters the Llama lacks may train at their own rate (1x: one group, the stock optimiser).
-    trainer_class = functools.partial(DepthFusionTrainer, new_names=new_parameter_names(model),
+    # Upcycling: the parameters the Llama lacks may train at their own rate (1x: the stock optimiser's groups).
+    new_names = new_parameter_names(model) if args.new_param_lr_scale != 1.0 else ()
+    trainer_class = functools.partial(DepthFusionTrainer, new_names=new_names,
                                       new_param_lr_scale=args.new_param_lr_scale)
     runs = [train_one(name, model, train, val, out / args.model, settings, tokenizer, resume,
                       trainer_class=trainer_class, analyse=analyse if plot is not None else None)]

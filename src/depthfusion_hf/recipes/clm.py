@@ -186,11 +186,11 @@ class DepthFusionTrainer(Trainer):
         if not self.new_names or self.new_param_lr_scale == 1.0:
             return optimizer
         opt_model = self.model if model is None else model
-        wanted = set(self.new_names)
-        new_ids = {id(p) for n, p in opt_model.named_parameters() if _unwrapped_name(n) in wanted}
-        found = {_unwrapped_name(n) for n, _ in opt_model.named_parameters()} & wanted
-        if found != wanted:  # a silently unscaled parameter would be a wrong experiment
-            raise ValueError(f"new_names not among the model's parameters: {sorted(wanted - found)}")
+        params = {_unwrapped_name(n): p for n, p in opt_model.named_parameters()}
+        missing = set(self.new_names) - params.keys()
+        if missing:  # a silently unscaled parameter would be a wrong experiment
+            raise ValueError(f"new_names not among the model's parameters: {sorted(missing)}")
+        new_ids = {id(params[name]) for name in self.new_names}
         for group in list(optimizer.param_groups):
             new = [p for p in group["params"] if id(p) in new_ids]
             if new:

@@ -514,13 +514,14 @@ class AttnResModel(AttnResPreTrainedModel):
         backend = state.backend(inputs_embeds.device)
         held = None  # the DepthBuffer this forward holds (released at its end)
         # the shared-source paths read every call's parameters at the start; not possible when they are sharded
-        shareable = calls_readable_ahead(self.attnres_calls(), inputs_embeds.shape[-1])
+        calls = self.attnres_calls()
+        shareable = calls_readable_ahead(calls, inputs_embeds.shape[-1])
         if shareable and uses_depth_buffer(backend, inputs_embeds):  # cached decoding: the sources in one buffer
-            state.buffer = held = self.start_depth_buffer(inputs_embeds)
+            state.buffer = held = self.start_depth_buffer(inputs_embeds, calls)
             sources = ()
         rows: tuple[torch.Tensor, ...] = ()
         if shareable and uses_logit_rows(backend, inputs_embeds):  # each source scored for every call once
-            rows = self.start_logit_rows(inputs_embeds, state)
+            rows = self.start_logit_rows(inputs_embeds, state, calls)
         try:
             hidden_states = self.run_layers(hidden_states, sources, rows, state, causal_mask, position_embeddings,
                                             position_ids, cache, use_cache, **kwargs)
@@ -540,29 +541,31 @@ class AttnResModel(AttnResPreTrainedModel):
         layers = itertools.islice(self.layers, self.config.num_hidden_layers)  # (slicing builds a ModuleList)
         return [mix for layer in layers for mix in (layer.mlp_res, layer.output_res)]
 
-    def start_depth_buffer(self, inputs_embeds: torch.Tensor) -> DepthBuffer:
-        """A locked :class:`DepthBuffer` holding the embedding [B, T, D] and every call's key.
+    def start_depth_buffer(self, inputs_embeds: torch.Tensor, calls: list[AttnResMix]) -> DepthBuffer:
+        """A locked :class:`DepthBuffer` holding the embedding [B, T, D] and the key of every call of ``calls``
+        (:meth:`attnres_calls`).
 
         The buffers are kept between forwards (in a module-level weak dictionary, not on the model: copies and
         pickles of the model do not carry them).
         """
         pool = DEPTH_BUFFERS.setdefault(self, [])
-        calls = self.attnres_calls()
         # the calls' eps and the layers' block size (fixed at construction), not the config's now
         buffer = acquire_depth_buffer(pool, inputs_embeds, num_depth_sources(len(calls), self.layers[0].block_size),
                                       len(calls), calls[0].eps)
         buffer.start(inputs_embeds, [mix.query for mix in calls], [mix.key_norm_weight for mix in calls])
         return buffer
 
-    def start_logit_rows(self, inputs_embeds: torch.Tensor, state: AttnResForwardState) -> tuple[torch.Tensor, ...]:
-        """Take every call's key once (``call_keys``) and score the embedding [B, T, D] for every call.
+    def start_logit_rows(
+        self, inputs_embeds: torch.Tensor, state: AttnResForwardState, calls: list[AttnResMix]
+    ) -> tuple[torch.Tensor, ...]:
+        """Take the key of every call of ``calls`` (:meth:`attnres_calls`) once (``call_keys``) and score the
+        embedding [B, T, D] for every call.
 
         Returns ``(embedding's logit rows [B, T, C], keys [C, D])`` to pass after the sources, and records the
         parameters of the keys in ``state.key_params`` (their version counters in ``state.key_versions``); ``()``
         (each call scores its own sources) when a call's parameters are not on the embedding's device (e.g.
         offloaded), have no version counter (inference tensors), or the calls' eps differ.
         """
-        calls = self.attnres_calls()
         queries, weights = [mix.query for mix in calls], [mix.key_norm_weight for mix in calls]
         eps = {mix.eps for mix in calls}
         versions = parameter_versions((*queries, *weights))
