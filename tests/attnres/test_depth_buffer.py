@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch
 
-from depthfusion_hf.models.attnres import AttnResForCausalLM, attnres, shared_sources
-from depthfusion_hf.models.attnres.shared_sources import DepthBuffer, acquire_depth_buffer, uses_depth_buffer
+from depthfusion_hf.models.attnres import AttnResForCausalLM, attnres, depth_buffer
+from depthfusion_hf.models.attnres.depth_buffer import DepthBuffer, acquire_depth_buffer, uses_depth_buffer
 
 from .helpers import randomise_attnres, tiny_config
 
@@ -42,7 +42,7 @@ def run(model, ids, backend, monkeypatch, **kwargs):
 def buffer_calls(monkeypatch):
     """Counts the calls that the buffer computes itself and those it hands to the torch backend."""
     counts = {"mix": 0, "fallback": 0}
-    mix, fallback = DepthBuffer.mix, shared_sources.attention_residual_with_backend
+    mix, fallback = DepthBuffer.mix, depth_buffer.attention_residual_with_backend
 
     def counting_mix(self, *args, **kwargs):
         counts["mix"] += 1
@@ -53,7 +53,7 @@ def buffer_calls(monkeypatch):
         return fallback(*args, **kwargs)
 
     monkeypatch.setattr(DepthBuffer, "mix", counting_mix)
-    monkeypatch.setattr(shared_sources, "attention_residual_with_backend", counting_fallback)
+    monkeypatch.setattr(depth_buffer, "attention_residual_with_backend", counting_fallback)
     return counts
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from depthfusion_hf.models.attnres import AttnResForCausalLM
-from depthfusion_hf.models.attnres.shared_sources import DepthBuffer
+from depthfusion_hf.models.attnres.depth_buffer import DepthBuffer
 
 from .helpers import randomise_attnres, set_small_numel, tiny_config
 

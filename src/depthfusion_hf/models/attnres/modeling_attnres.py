@@ -54,14 +54,12 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .attnres import attention_residual, attention_residual_with_backend, resolve_backend
 from .configuration_attnres import AttnResConfig
+from .depth_buffer import DepthBuffer, acquire_depth_buffer, uses_depth_buffer
 from .shared_sources import (
-    DepthBuffer,
-    acquire_depth_buffer,
     attention_residual_from_rows,
     call_keys,
     parameter_versions,
     source_logit_rows,
-    uses_depth_buffer,
     uses_logit_rows,
 )
 
