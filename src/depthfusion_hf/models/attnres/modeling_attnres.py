@@ -142,8 +142,23 @@ def calls_readable_ahead(calls: list[AttnResMix], hidden_size: int) -> bool:
     tensor parallelism (sharded DTensors, gathered only inside their layer's forward) nor DeepSpeed ZeRO-3
     (partitioned parameters are empty until gathered): those forwards take the per-call path.
     """
-    params = [p for mix in calls for p in (mix.query, mix.key_norm_weight)]
-    return all(type(p) in (torch.Tensor, nn.Parameter) and p.shape == (hidden_size,) for p in params)
+    queries, weights = call_parameters(calls)
+    return all(type(p) in (torch.Tensor, nn.Parameter) and p.shape == (hidden_size,) for p in (*queries, *weights))
+
+
+def child(module: nn.Module, name: str) -> nn.Module | torch.Tensor:
+    """``getattr(module, name)`` for a submodule or parameter of a module, read from nn.Module's own dictionaries
+    when it is there (the lookup its ``__getattr__`` makes, at a fraction of the cost: a decoding forward reads
+    every call's parameters once)."""
+    found = module._modules.get(name)
+    if found is None:
+        found = module._parameters.get(name)
+    return found if found is not None else getattr(module, name)
+
+
+def call_parameters(calls: list[AttnResMix]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every call's pseudo-query and key-norm weight, in call order: ``(queries, key_norm_weights)``."""
+    return [child(mix, "query") for mix in calls], [child(mix, "key_norm_weight") for mix in calls]
 
 
 class AttnResForwardState:
@@ -350,7 +365,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         backend = attnres_state.backend(hidden_states.device) if attnres_state is not None else None
         record = attnres_state.depth_weights if attnres_state is not None else None
         buffer = attnres_state.buffer if attnres_state is not None else None
-        if buffer is not None and buffer.rows.device != hidden_states.device:
+        if buffer is not None and buffer.values.device != hidden_states.device:
             # a layer on another device (device_map): the rest of the forward passes the sources themselves
             sources = tuple(v.to(hidden_states.device) for v in buffer.sources())
             attnres_state.buffer = buffer = None
@@ -537,7 +552,7 @@ class AttnResModel(AttnResPreTrainedModel):
     def attnres_calls(self) -> list[AttnResMix]:
         """Every AttnRes call of the decoder in order (each layer's ``mlp_res``, then its ``output_res``)."""
         layers = itertools.islice(self.layers, self.config.num_hidden_layers)  # (slicing builds a ModuleList)
-        return [mix for layer in layers for mix in (layer.mlp_res, layer.output_res)]
+        return [child(layer, name) for layer in layers for name in ("mlp_res", "output_res")]
 
     def start_depth_buffer(self, inputs_embeds: torch.Tensor, calls: list[AttnResMix]) -> DepthBuffer:
         """A locked :class:`DepthBuffer` holding the embedding [B, T, D] and the key of every call of ``calls``
@@ -550,7 +565,7 @@ class AttnResModel(AttnResPreTrainedModel):
         # the calls' eps and the layers' block size (fixed at construction), not the config's now
         buffer = acquire_depth_buffer(pool, inputs_embeds, num_depth_sources(len(calls), self.layers[0].block_size),
                                       len(calls), calls[0].eps)
-        buffer.start(inputs_embeds, [mix.query for mix in calls], [mix.key_norm_weight for mix in calls])
+        buffer.start(inputs_embeds, *call_parameters(calls))
         return buffer
 
     def start_logit_rows(
@@ -564,7 +579,7 @@ class AttnResModel(AttnResPreTrainedModel):
         (each call scores its own sources) when a call's parameters are not on the embedding's device (e.g.
         offloaded), have no version counter (inference tensors), or the calls' eps differ.
         """
-        queries, weights = [mix.query for mix in calls], [mix.key_norm_weight for mix in calls]
+        queries, weights = call_parameters(calls)
         eps = {mix.eps for mix in calls}
         versions = parameter_versions((*queries, *weights))
         if any(p.device != inputs_embeds.device for p in (*queries, *weights)) or len(eps) != 1 or versions is None:
