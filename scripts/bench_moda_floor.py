@@ -26,13 +26,19 @@ next to the real models, as ratios of Llama's step:
 4. **The real models** ``moda`` and ``moda-noffn`` (and the A/A control ``llama-control``) built as in
    ``scripts/bench_models.py``, in the same interleave: their train step, decode step and ``generate``
    tokens/s (the issue's decode metric).
+5. **The projection in situ**: ``llama+ffnkv``, a Llama whose layers but the last also compute MoDA's FFN-side
+   K/V entry (projection, key RoPE, both backward GEMMs, its weights in AdamW) and do nothing else with it:
+   the projection's cost inside a real step (caches, optimiser), measured like the models.
 
 Floors: ``train floor = 1 + projection + memory floor`` (ratios of Llama's train step, per repeat, median
 over repeats); ``decode ceiling = Llama step / (Llama step + projection)``. The **strict** floor uses the
 hot timings (the most favourable the CPU gave), the **cold** floor the cold ones (the windows and weights
-do not stay in cache in a real step: each layer's other work streams megabytes through it). The verdict
-says whether a target is below the strict floor (unreachable on this CPU with this design and algorithm),
-below the cold floor only, or above both. Assumption stated with the results: the parts are added, i.e.
+do not stay in cache in a real step: each layer's other work streams megabytes through it; but the eviction
+also evicts the dispatcher's code and data, which a real step keeps warm, so the cold decode projection
+overstates). The **in-situ** floor is ``llama+ffnkv``'s measured ratio plus the hot memory floor (for
+decode: Llama's step or ``generate`` time over ``llama+ffnkv``'s). The verdict says whether a target is
+beyond the strict floor (unreachable on this CPU with this design and algorithm), beyond the cold or in-situ
+floor only, or within all of them. Assumption stated with the results: the parts are added, i.e.
 a single core does not overlap the projection's compute with the depth pool's memory traffic.
 
     python scripts/bench_moda_floor.py --reps 7                 # the issue's configuration
@@ -65,7 +71,8 @@ from depthfusion_hf.models.moda.cost import moda_cost  # noqa: E402
 from depthfusion_hf.models.moda.modeling_moda import depth_rotary, depth_window, rotate_depth_key  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = ("llama", "llama-control", "moda", "moda-noffn")
+MODELS = ("llama", "llama-control", "moda", "moda-noffn")  # built by bench_models.build_models
+IN_SITU = "llama+ffnkv"  # a Llama that also computes MoDA's FFN-side K/V projection, and nothing else of MoDA
 VARIANTS = {"moda": True, "moda-noffn": False}  # model name -> moda_ffn_kv
 MiB = 2**20
 
@@ -168,6 +175,57 @@ class ProjectionWork:
             for x, w in zip(self.x_token, self.w):
                 y = F.linear(x, w)  # (1, 1, 2 Hkv d)
                 rotate_depth_key(y.view(1, 1, -1, 2, self.head_dim)[..., 0, :].transpose(1, 2), self.rope_token)
+
+
+class _Attach(torch.autograd.Function):
+    """``out`` unchanged, with ``key`` and ``value`` attached to the graph (their gradient: zeros)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.shapes = (key, value)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # noqa: D102
+        key, value = ctx.shapes
+        return grad_out, torch.zeros_like(key), torch.zeros_like(value)
+
+
+class MLPWithDepthProjection(torch.nn.Module):
+    """A Llama MLP that also computes MoDA's FFN-side K/V entry of its input (and nothing else with it).
+
+    ``forward(x [B, T, D]) -> mlp(x)``; on the side ``ffn_kv_proj(x)`` ([B, T, 2 Hkv d], laid out [Hkv, 2, d] as in
+    MoDA) and its key's RoPE, attached to the graph so that the backward runs both of the projection's GEMMs
+    (the entry's gradient is zeros: MoDA's real one is a depth-pool product, counted in the memory floor).
+    """
+
+    def __init__(self, mlp: torch.nn.Module, width: int, kv_heads: int, head_dim: int, max_positions: int):
+        super().__init__()
+        self.mlp = mlp
+        self.ffn_kv_proj = torch.nn.Linear(width, 2 * kv_heads * head_dim, bias=False)
+        self.head_dim = head_dim
+        # MoDA builds these tables once per forward pass: here once, sliced (positions 0.., cost-equivalent)
+        cos, signed_sin = depth_rotary(*_rotary_tables(torch.arange(max_positions), head_dim, torch.float32))
+        self.register_buffer("cos", cos, persistent=False)  # [1, 1, P, d]
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        batch, tokens, _ = x.shape
+        key, value = self.ffn_kv_proj(x).view(batch, tokens, -1, 2, self.head_dim).unbind(dim=3)
+        key = rotate_depth_key(key.transpose(1, 2), (self.cos[:, :, :tokens], self.signed_sin[:, :, :tokens]))
+        if not torch.is_grad_enabled():
+            return self.mlp(x)
+        return _Attach.apply(self.mlp(x), key, value.transpose(1, 2))
+
+
+def with_depth_projection(model: torch.nn.Module) -> torch.nn.Module:
+    """A ``LlamaForCausalLM`` whose layers but the last also compute MoDA's FFN-side K/V (in place; returned)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for layer in model.model.layers[:-1]:
+        layer.mlp = MLPWithDepthProjection(layer.mlp, config.hidden_size, config.num_key_value_heads, head_dim,
+                                           config.max_position_embeddings)
+    return model
 
 
 def _rotary_tables(positions: torch.Tensor, head_dim: int, dtype: torch.dtype,
@@ -283,6 +341,8 @@ def measure(args: argparse.Namespace) -> dict:
         vocab=args.vocab, seq=args.seq, window=4, before=None, models=",".join(MODELS), attn="sdpa",
     )
     models = bench_models.build_models(bench_args, device, dtype)
+    bench_args.models = "llama"
+    models[IN_SITU] = with_depth_projection(bench_models.build_models(bench_args, device, dtype)["llama"]).train()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, args.vocab, (args.batch, args.seq), generator=gen)
     batch = {"input_ids": ids, "labels": ids}
@@ -331,10 +391,10 @@ def measure(args: argparse.Namespace) -> dict:
             for name, model in models.items():
                 generate[name].append(1.0 / bench_models.decode_tokens_per_s(
                     model, prompt[:, :args.prompt], args.generate_tokens, device))
-    return summarise(args, train, decode, generate, proj, memory, reads)
+    return summarise(args, train, decode, generate, proj, memory, reads, configs)
 
 
-def summarise(args, train, decode, generate, proj, memory, reads) -> dict:
+def summarise(args, train, decode, generate, proj, memory, reads, configs) -> dict:
     """Ratios per repeat (paired with Llama's repeat), their medians and ranges, the floors and the verdicts."""
     reps = range(args.reps)
     llama_train, llama_decode = train["llama"], decode["llama"]
@@ -355,7 +415,12 @@ def summarise(args, train, decode, generate, proj, memory, reads) -> dict:
     results["bandwidth_gb_s"] = bandwidth  # per buffer size; copy counts bytes read + written
     floors = {}
     for name, ffn_kv in VARIANTS.items():
+        config = configs[name]
+        head_dim = config.hidden_size // config.num_attention_heads
         entry = {"bytes": sum(r.nbytes for r in reads[name]),
+                 # the depth attention's matmul FLOPs (cost.py's 4 Hq d per entry and token), forward + backward (x3)
+                 "depth_flops_train": 3 * 4 * config.num_attention_heads * head_dim * args.batch * args.seq
+                 * moda_cost(config, args.seq).depth_entries_per_token,
                  "reads": [dict(what=r.what, layer=r.layer, nbytes=r.nbytes) for r in reads[name]]}
         for cache in ("hot", "cold"):
             mem_s = [sum(memory[i][f"sum_{cache}"][r.nbytes] for r in reads[name]) for i in reps]
@@ -371,6 +436,15 @@ def summarise(args, train, decode, generate, proj, memory, reads) -> dict:
             if generate["llama"]:  # the same with generate()'s per-token time as the denominator (a higher ceiling)
                 entry[f"decode_ceiling_generate_{cache}"] = _median_range(
                     [generate["llama"][i] / (generate["llama"][i] + proj_d[i]) for i in reps])
+        proj_ratio = ([train[IN_SITU][i] / llama_train[i] - 1 for i in reps] if ffn_kv else [0.0] * args.reps)
+        mem_hot = [sum(memory[i]["sum_hot"][r.nbytes] for r in reads[name]) / llama_train[i] for i in reps]
+        entry["train_floor_in_situ"] = _median_range([1 + proj_ratio[i] + mem_hot[i] for i in reps])
+        ceiling = {"step": (decode, "decode_ceiling_in_situ")}
+        if generate["llama"]:
+            ceiling["generate"] = (generate, "decode_ceiling_generate_in_situ")
+        for seconds, key in ceiling.values():
+            slower = seconds[IN_SITU] if ffn_kv else seconds["llama"]
+            entry[key] = _median_range([seconds["llama"][i] / slower[i] for i in reps])
         floors[name] = entry
     results["floors"] = floors
     results["verdicts"] = verdicts(measured, floors)
@@ -378,11 +452,12 @@ def summarise(args, train, decode, generate, proj, memory, reads) -> dict:
 
 
 def verdicts(measured: dict, floors: dict) -> list[dict]:
-    """Per target of ``bench_models.TARGETS``: the measured ratio, the strict and cold floors, the verdict.
+    """Per target of ``bench_models.TARGETS``: the measured ratio, the strict, cold and in-situ floors, the verdict.
 
-    Train: a target below the strict (hot) floor is unreachable; below the cold floor only, unreachable unless the
-    depth windows stay in cache. Decode (a bound from above): a target above the most generous ceiling (hot,
-    ``generate`` denominator where timed) is unreachable.
+    Train: a target below the strict (hot, isolated) floor is unreachable; below the cold or in-situ floor only, it
+    is unreachable unless the real step does better than those measurements. Decode (a bound from above): the
+    strict ceiling is the most generous one (hot projection, ``generate`` denominator where timed); the in-situ
+    one is ``llama+ffnkv``'s decode ratio (``generate`` where timed).
     """
     rows = []
     for name in VARIANTS:
@@ -391,22 +466,26 @@ def verdicts(measured: dict, floors: dict) -> list[dict]:
             floor = floors[name]
             if metric == "train":
                 strict, cold = floor["train_floor_hot"]["median"], floor["train_floor_cold"]["median"]
-                blocked_strict, blocked_cold = target < strict, target < cold
+                in_situ = floor["train_floor_in_situ"]["median"]
+                blocked_strict, blocked_cold, blocked_in_situ = target < strict, target < cold, target < in_situ
                 got = measured[name]["train"]["median"]
             else:
                 strict = floor.get("decode_ceiling_generate_hot", floor["decode_ceiling_hot"])["median"]
                 cold = floor["decode_ceiling_cold"]["median"]
-                blocked_strict, blocked_cold = target > strict, target > cold
+                in_situ = floor.get("decode_ceiling_generate_in_situ", floor["decode_ceiling_in_situ"])["median"]
+                blocked_strict, blocked_cold, blocked_in_situ = target > strict, target > cold, target > in_situ
                 got = measured[name].get("decode_generate", measured[name]["decode_step"])["median"]
             if blocked_strict:
                 verdict = "target beyond the strict floor: unreachable"
-            elif blocked_cold:
-                verdict = "target beyond the cold floor only"
+            elif blocked_cold or blocked_in_situ:
+                verdict = "target beyond the " + " and ".join(
+                    n for n, hit in (("cold", blocked_cold), ("in-situ", blocked_in_situ)) if hit) + " floor only"
             else:
-                verdict = "target within both floors"
+                verdict = "target within all floors"
             rows.append(dict(model=name, metric=metric, measured=got, floor_strict=strict, floor_cold=cold,
-                             target=target, target_below_floor_strict=blocked_strict,
-                             target_below_floor_cold=blocked_cold, verdict=verdict))
+                             floor_in_situ=in_situ, target=target, target_below_floor_strict=blocked_strict,
+                             target_below_floor_cold=blocked_cold, target_below_floor_in_situ=blocked_in_situ,
+                             verdict=verdict))
     return rows
 
 
@@ -426,12 +505,18 @@ def print_report(args: argparse.Namespace, results: dict) -> None:
               f"{m['decode_step']['median']:12.3f} | {gen:>15}")
     print(f"\nprojection floor (moda): train {proj['train_hot']:.1f} ms hot / {proj['train_cold']:.1f} ms cold; "
           f"decode {proj['decode_hot'] * 1e3:.0f} µs hot / {proj['decode_cold'] * 1e3:.0f} µs cold per step")
+    in_situ = results["measured"][IN_SITU]
+    gen = f", generate {in_situ['decode_generate']['median']:.3f}" if "decode_generate" in in_situ else ""
+    print(f"projection in situ ({IN_SITU} ×Llama): train {in_situ['train']['median']:.3f} "
+          f"[{in_situ['train']['min']:.3f}, {in_situ['train']['max']:.3f}], decode step "
+          f"{in_situ['decode_step']['median']:.3f}{gen}")
     print(f"{'variant':>11} | {'depth reads MiB':>15} | {'read GB/s hot':>13} {'cold':>6} | "
-          f"{'memory ×Llama hot':>17} {'cold':>6} | {'proj ×Llama hot':>15} {'cold':>6}")
+          f"{'memory ×Llama hot':>17} {'cold':>6} | {'proj ×Llama hot':>15} {'cold':>6} | {'depth GFLOP':>11}")
     for name, f in results["floors"].items():
         print(f"{name:>11} | {f['bytes'] / MiB:15.1f} | {f['memory_gb_s_hot']:13.2f} {f['memory_gb_s_cold']:6.2f} | "
               f"{f['memory_ratio_hot']['median']:17.3f} {f['memory_ratio_cold']['median']:6.3f} | "
-              f"{f['projection_ratio_hot']['median']:15.3f} {f['projection_ratio_cold']['median']:6.3f}")
+              f"{f['projection_ratio_hot']['median']:15.3f} {f['projection_ratio_cold']['median']:6.3f} | "
+              f"{f['depth_flops_train'] / 1e9:11.3f}")
     bw = results["bandwidth_gb_s"]
     sizes = sorted(int(n) for n in bw["sum_cold"])
     print("single-thread bandwidth GB/s by buffer size (sum = read-reduce, copy = read + write bytes):")
@@ -439,11 +524,11 @@ def print_report(args: argparse.Namespace, results: dict) -> None:
         print(f"  {n / MiB:7.2f} MiB: sum cold {bw['sum_cold'][str(n)]['median']:6.2f}  hot "
               f"{bw['sum_hot'][str(n)]['median']:6.2f} | copy cold {bw['copy_cold'][str(n)]['median']:6.2f}  hot "
               f"{bw['copy_hot'][str(n)]['median']:6.2f}")
-    print(f"\n{'model':>11} {'metric':>7} | {'measured':>8} | {'floor strict':>12} {'floor cold':>10} | "
+    print(f"\n{'model':>11} {'metric':>7} | {'measured':>8} | {'floor strict':>12} {'cold':>6} {'in situ':>7} | "
           f"{'target':>6} | verdict   (train: floor = 1 + projection + memory; decode: ceiling)")
     for row in results["verdicts"]:
         print(f"{row['model']:>11} {row['metric']:>7} | {row['measured']:8.3f} | {row['floor_strict']:12.3f} "
-              f"{row['floor_cold']:10.3f} | {row['target']:6.2f} | {row['verdict']}")
+              f"{row['floor_cold']:6.3f} {row['floor_in_situ']:7.3f} | {row['target']:6.2f} | {row['verdict']}")
 
 
 def main(argv: list[str] | None = None) -> dict:

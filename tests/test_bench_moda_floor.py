@@ -47,6 +47,27 @@ def test_depth_pool_bytes_match_hand_count(layers, ffn_kv, kv_heads, window, slo
     assert all(r.nbytes > 0 and r.nbytes % slot == 0 for r in reads)
 
 
+def test_in_situ_model_is_llama_plus_the_projection():
+    """``llama+ffnkv`` computes Llama's loss exactly and runs the projection's backward (its weights get gradients)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    script = _load_script()
+    config = LlamaConfig(num_hidden_layers=3, hidden_size=128, intermediate_size=64, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64)
+    llama = LlamaForCausalLM(config)
+    model = script.with_depth_projection(LlamaForCausalLM(config))
+    state = {k.replace(".mlp.mlp.", ".mlp."): v for k, v in model.state_dict().items() if "ffn_kv_proj" not in k}
+    llama.load_state_dict(state)
+    ids = torch.randint(0, 64, (2, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.equal(loss, llama(input_ids=ids, labels=ids).loss)  # same kernels, same order: identical
+    projections = {n: p for n, p in model.named_parameters() if "ffn_kv_proj" in n}
+    assert len(projections) == 2  # every layer but the last, as in MoDA
+    assert all(p.shape == (2 * 1 * 64, 128) and p.grad is not None for p in projections.values())
+
+
 def test_rejects_unsupported_sizes():
     script = _load_script()
     with pytest.raises(SystemExit):
@@ -80,6 +101,7 @@ def test_toy_run_prints_table_and_appends_record(tmp_path):
     assert floors["moda"]["bytes"] == (4 * 2 + 2 * 2 * 1) * slot
     assert floors["moda-noffn"]["bytes"] == (4 * 1 + 2 * 2 * 1) * slot
     for name, floor in floors.items():
+        assert floor["depth_flops_train"] > 0 and floor["train_floor_in_situ"]["median"] > 0
         for cache in ("hot", "cold"):
             assert floor[f"memory_s_{cache}"]["min"] > 0, name
             assert floor[f"memory_ratio_{cache}"]["min"] > 0, name
@@ -91,7 +113,7 @@ def test_toy_run_prints_table_and_appends_record(tmp_path):
             else:
                 assert floor[f"projection_ratio_{cache}"]["max"] == 0
                 assert ceiling == 1
-    for name in ("llama-control", "moda", "moda-noffn"):
+    for name in ("llama-control", "moda", "moda-noffn", "llama+ffnkv"):
         for metric in ("train", "decode_step", "decode_generate"):
             assert results["measured"][name][metric]["median"] > 0, (name, metric)
 
@@ -100,7 +122,7 @@ def test_toy_run_prints_table_and_appends_record(tmp_path):
     assert rows["moda", "train"]["target"] == 1.15 and rows["moda-noffn", "train"]["target"] == 1.06
     assert rows["moda", "decode"]["target"] == 0.90
     for row in rows.values():
-        assert row["floor_strict"] > 0 and row["floor_cold"] > 0 and row["measured"] > 0
+        assert row["floor_strict"] > 0 and row["floor_cold"] > 0 and row["floor_in_situ"] > 0 and row["measured"] > 0
         if row["metric"] == "train":
             assert row["target_below_floor_strict"] == (row["target"] < row["floor_strict"])
         else:
