@@ -81,17 +81,20 @@ def test_buffer_matches_reference_backend(block_size, shape, monkeypatch, buffer
     assert_close_to_reference(logits, weights, ref_logits, ref_weights)
 
 
-def test_buffer_is_reused_and_follows_parameter_updates(monkeypatch):
+@pytest.mark.parametrize("through_data", [False, True], ids=["in_place", "through_data"])
+def test_buffer_is_reused_and_follows_parameter_updates(monkeypatch, through_data):
     """The buffer of one forward serves the next (same shape); the keys are retaken every forward, so an
-    in-place update of a pseudo-query between forwards changes the result as on the reference backend."""
+    update of a pseudo-query between forwards changes the result as on the reference backend, also one made
+    through ``.data`` (which bumps no version counter: a key kept from the last forward would be stale)."""
     model = float64_model(3)
     gen = torch.Generator().manual_seed(2)
     ids_a, ids_b = torch.randint(3, 97, (1, 1), generator=gen), torch.randint(3, 97, (1, 1), generator=gen)
     run(model, ids_a, "torch", monkeypatch)
     pool = list(attnres_pool(model))
     assert len(pool) == 1 and not pool[0].lock.locked()
+    query = model.model.layers[1].mlp_res.query
     with torch.no_grad():
-        model.model.layers[1].mlp_res.query.mul_(-2.0)
+        (query.data if through_data else query).mul_(-2.0)
     logits, weights = run(model, ids_b, "torch", monkeypatch)
     assert list(attnres_pool(model)) == pool  # the same buffer, released again
     assert not pool[0].lock.locked()

@@ -9,7 +9,6 @@ model code by ``save_pretrained`` for ``trust_remote_code`` loading.
 from __future__ import annotations
 
 import math
-import operator
 import threading
 
 import torch
@@ -51,8 +50,8 @@ class DepthBuffer:
     Shapes: M = B T tokens, D hidden, C calls, ``capacity`` sources at most. ``values`` [capacity, M, D + 1]
     (the sources' dtype) holds source i in ``values[i, :, :D]``; column D holds the constant ``sqrt(D eps)``,
     so that one vector norm of a row is ``sqrt(sum v^2 + D eps)``. ``keys`` [capacity, M, D] holds the
-    normalised keys ``k_i``, ``queries`` [C, D] every call's ``u``, taken once per forward (:meth:`start`;
-    reused while the parameters are the same tensors, unchanged). Writing a source (:meth:`write`: appended,
+    normalised keys ``k_i``, ``queries`` [C, D] every call's ``u``, taken once per forward (:meth:`start`).
+    Writing a source (:meth:`write`: appended,
     or added to the last source, a block's running sum) is three operators (copy or add, norm, division);
     call c over the first n sources (:meth:`mix`) is one ``scaled_dot_product_attention`` over views. Values
     are the op's to floating-point reassociation.
@@ -91,13 +90,11 @@ class DepthBuffer:
     def start(self, first: torch.Tensor, queries: list[torch.Tensor], key_norm_weights: list[torch.Tensor]) -> None:
         """Begin a forward: take every call's key (in call order) and write ``first`` [B, T, D] as source 0."""
         self.count = self.calls = 0
-        params = (*queries, *key_norm_weights)
-        if not (self.params and len(params) == len(self.params) and all(map(operator.is_, params, self.params))
-                and parameter_versions(params) == self.versions):
-            self.params = self._take_keys(queries, key_norm_weights)
-            self.versions = parameter_versions(self.params) or ()
-            if not self.versions:
-                self.params = ()
+        # taken again every forward: a change through ``param.data`` between forwards bumps no version counter
+        self.params = self._take_keys(queries, key_norm_weights)
+        self.versions = parameter_versions(self.params) or ()
+        if not self.versions:
+            self.params = ()
         self.write(first, new_source=True)
 
     def _take_keys(self, queries: list[torch.Tensor], key_norm_weights: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
