@@ -353,7 +353,8 @@ def measure(args: argparse.Namespace) -> dict:
     configs = {name: moda_config(args, ffn_kv) for name, ffn_kv in VARIANTS.items()}
     reads = {name: depth_pool_reads(config, args.batch, args.seq) for name, config in configs.items()}
     projection = ProjectionWork(configs["moda"], args.batch, args.seq, dtype)
-    probe = MemoryProbe([r.nbytes for rs in reads.values() for r in rs], args.evict_mib * MiB, dtype)
+    weight_bytes = projection.w[0].numel() * projection.w[0].element_size()  # one layer's ffn_kv_proj weight
+    probe = MemoryProbe([r.nbytes for rs in reads.values() for r in rs] + [weight_bytes], args.evict_mib * MiB, dtype)
 
     for name in models:  # warm-up (allocator, optimiser state, caches of the decode path)
         train_steps[name]()
@@ -391,11 +392,15 @@ def measure(args: argparse.Namespace) -> dict:
             for name, model in models.items():
                 generate[name].append(1.0 / bench_models.decode_tokens_per_s(
                     model, prompt[:, :args.prompt], args.generate_tokens, device))
-    return summarise(args, train, decode, generate, proj, memory, reads, configs)
+    return summarise(args, train, decode, generate, proj, memory, reads, configs, weight_bytes)
 
 
-def summarise(args, train, decode, generate, proj, memory, reads, configs) -> dict:
-    """Ratios per repeat (paired with Llama's repeat), their medians and ranges, the floors and the verdicts."""
+def summarise(args, train, decode, generate, proj, memory, reads, configs, weight_bytes: int) -> dict:
+    """Ratios per repeat (paired with Llama's repeat), their medians and ranges, the floors and the verdicts.
+
+    Also, for ``moda``: the projection GEMMs' FLOPs and achieved rate, and the decode ceiling set by the bytes
+    alone (each projection's weight read once, cold, per token; no per-operation overhead).
+    """
     reps = range(args.reps)
     llama_train, llama_decode = train["llama"], decode["llama"]
     results: dict = {"seconds": dict(train=train, decode_step=decode, generate_per_token=generate,
@@ -447,6 +452,17 @@ def summarise(args, train, decode, generate, proj, memory, reads, configs) -> di
             entry[key] = _median_range([seconds["llama"][i] / slower[i] for i in reps])
         floors[name] = entry
     results["floors"] = floors
+    config = configs["moda"]
+    projections = config.num_hidden_layers - 1
+    head_dim = config.hidden_size // config.num_attention_heads
+    weight_numel = 2 * config.num_key_value_heads * head_dim * config.hidden_size
+    gemm_flops = 3 * 2 * args.batch * args.seq * weight_numel * projections  # forward + 2 backward GEMMs
+    weight_read = [projections * memory[i]["sum_cold"][weight_bytes] for i in reps]
+    floors["moda"]["projection_gemm_flops"] = gemm_flops
+    floors["moda"]["projection_gemm_gflop_s_hot"] = gemm_flops / statistics.median(proj["train_hot"]) / 1e9
+    floors["moda"]["projection_weight_bytes"] = projections * weight_bytes
+    floors["moda"]["decode_ceiling_bytes"] = _median_range(
+        [llama_decode[i] / (llama_decode[i] + weight_read[i]) for i in reps])
     results["verdicts"] = verdicts(measured, floors)
     return results
 
@@ -505,6 +521,10 @@ def print_report(args: argparse.Namespace, results: dict) -> None:
               f"{m['decode_step']['median']:12.3f} | {gen:>15}")
     print(f"\nprojection floor (moda): train {proj['train_hot']:.1f} ms hot / {proj['train_cold']:.1f} ms cold; "
           f"decode {proj['decode_hot'] * 1e3:.0f} µs hot / {proj['decode_cold'] * 1e3:.0f} µs cold per step")
+    moda = results["floors"]["moda"]
+    print(f"  GEMMs {moda['projection_gemm_flops'] / 1e9:.2f} GFLOP at {moda['projection_gemm_gflop_s_hot']:.1f} "
+          f"GFLOP/s (hot); weights {moda['projection_weight_bytes'] / MiB:.2f} MiB: decode ceiling from reading them "
+          f"once, cold, per token (no per-operation overhead) {moda['decode_ceiling_bytes']['median']:.3f}")
     in_situ = results["measured"][IN_SITU]
     gen = f", generate {in_situ['decode_generate']['median']:.3f}" if "decode_generate" in in_situ else ""
     print(f"projection in situ ({IN_SITU} ×Llama): train {in_situ['train']['median']:.3f} "

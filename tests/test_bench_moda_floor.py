@@ -113,6 +113,10 @@ def test_toy_run_prints_table_and_appends_record(tmp_path):
             else:
                 assert floor[f"projection_ratio_{cache}"]["max"] == 0
                 assert ceiling == 1
+    moda = floors["moda"]
+    assert moda["projection_gemm_flops"] == 3 * 2 * (2 * 8) * (2 * 1 * 64 * 128) * 1  # 3 GEMMs, 1 projection
+    assert moda["projection_weight_bytes"] == 2 * 1 * 64 * 128 * 4
+    assert 0 < moda["decode_ceiling_bytes"]["median"] < 1
     for name in ("llama-control", "moda", "moda-noffn", "llama+ffnkv"):
         for metric in ("train", "decode_step", "decode_generate"):
             assert results["measured"][name][metric]["median"] > 0, (name, metric)
