@@ -33,13 +33,14 @@ next to the real models, as ratios of Llama's step:
 Floors: ``train floor = 1 + projection + memory floor`` (ratios of Llama's train step, per repeat, median
 over repeats); ``decode ceiling = Llama step / (Llama step + projection)``. The **strict** floor uses the
 hot timings (the most favourable the CPU gave), the **cold** floor the cold ones (the windows and weights
-do not stay in cache in a real step: each layer's other work streams megabytes through it; but the eviction
-also evicts the dispatcher's code and data, which a real step keeps warm, so the cold decode projection
-overstates). The **in-situ** floor is ``llama+ffnkv``'s measured ratio plus the hot memory floor (for
-decode: Llama's step or ``generate`` time over ``llama+ffnkv``'s). The verdict says whether a target is
-beyond the strict floor (unreachable on this CPU with this design and algorithm), beyond the cold or in-situ
-floor only, or within all of them. Assumption stated with the results: the parts are added, i.e.
-a single core does not overlap the projection's compute with the depth pool's memory traffic.
+do not stay in cache in a real step: each layer's other work streams megabytes through it; the eviction also
+evicts the dispatcher's code and data, which a real step may keep warm). The **in-situ** floor is
+``llama+ffnkv``'s measured ratio plus the hot memory floor (for decode: Llama's ``generate`` time, or step
+time, over ``llama+ffnkv``'s): the check on both. Also recorded: the projection GEMMs' GFLOP/s and a
+bytes-only decode ceiling (the projection weights read once, cold, no per-operation cost). The verdict says
+whether a target is beyond the strict floor (unreachable on this CPU with this design and algorithm), beyond
+the cold or in-situ floor only, or within all of them. Assumption stated with the results: the parts are
+added, i.e. a single core does not overlap the projection's compute with the depth pool's memory traffic.
 
     python scripts/bench_moda_floor.py --reps 7                 # the issue's configuration
     python scripts/bench_moda_floor.py --reps 7 --kv-heads 2    # paper-like GQA, G = 2
