@@ -71,8 +71,53 @@ def source_logit_rows(source: torch.Tensor, keys: torch.Tensor, eps: float) -> t
     """
     with torch.autocast(device_type=source.device.type, enabled=False):  # the logits stay in the compute dtype
         cd = torch.promote_types(source.dtype, keys.dtype)
-        inv_rms = source_inv_rms(source, eps).to(cd)
-        return torch.matmul(source.to(cd), keys.to(cd).t()) * inv_rms.unsqueeze(-1)
+        return _SourceRows.apply(source, keys.to(cd), eps)
+
+
+def _source_rows_reference(source: torch.Tensor, keys: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`_SourceRows` with autograd's ops (for double backward)."""
+    return torch.matmul(source.to(keys.dtype), keys.t()) * source_inv_rms(source, eps).to(keys.dtype).unsqueeze(-1)
+
+
+class _SourceRows(torch.autograd.Function):
+    """A source's logit rows ``r (u_c . v)`` (inputs: source v [B, T, D], keys u [C, D] in the compute dtype, eps).
+
+    Forward: ``r = rsqrt(mean(v^2) + eps)`` [B, T], ``p = v u^T`` [B, T, C], rows ``p r``. Backward (``g`` the rows'
+    gradient): ``dv = (g r) u - (sum_c g p) r^3 v / D`` into one buffer, ``du = (g r)^T v`` (one product each; no
+    separate norm gradient for autograd to add to the source's). Saved: references to v and u, r and p.
+    """
+
+    @staticmethod
+    def forward(ctx, source, keys, eps):  # noqa: D102
+        x = source.to(keys.dtype)
+        r = source_inv_rms(source, eps).to(keys.dtype)  # (no graph: only its value, in forward)
+        # p^T = u x^T [C, B*T] (BLAS is faster this way round for few calls), viewed as [B, T, C]: each call's
+        # column of the rows is then contiguous
+        p = torch.matmul(keys, x.reshape(-1, x.shape[-1]).t()).view(keys.shape[0], *x.shape[:-1]).movedim(0, -1)
+        ctx.eps, ctx.device_type = eps, source.device.type
+        ctx.save_for_backward(source, keys, r, p)
+        return p * r.unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_rows):  # noqa: D102
+        source, keys, r, p = ctx.saved_tensors
+        need_source, need_keys = ctx.needs_input_grad[:2]
+        if torch.is_grad_enabled():  # create_graph: differentiate the same function written with autograd's ops
+            wanted = [x for x, nd in zip((source, keys), (need_source, need_keys)) if nd]
+            found = iter(torch.autograd.grad(_source_rows_reference(source, keys, ctx.eps), wanted, grad_rows,
+                                             create_graph=True, allow_unused=True))
+            return (next(found) if need_source else None, next(found) if need_keys else None, None)
+        with torch.autocast(device_type=ctx.device_type, enabled=False):
+            g = grad_rows.to(keys.dtype)
+            gr = g * r.unsqueeze(-1)  # [B, T, C]: the gradient of p
+            x = source.to(keys.dtype)
+            grad_source = grad_keys = None
+            if need_source:
+                coef = (g * p).sum(dim=-1).mul_(r.pow(3)).div_(-x.shape[-1])  # dr * dr/d(mean square) / D
+                grad_source = torch.matmul(gr, keys).addcmul_(x, coef.unsqueeze(-1)).to(source.dtype)
+            if need_keys:
+                grad_keys = torch.matmul(gr.reshape(-1, gr.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+            return grad_source, grad_keys, None
 
 
 def _mix_rows_reference(columns: Sequence[int], sources: Sequence[torch.Tensor], rows: Sequence[torch.Tensor]):
@@ -104,21 +149,23 @@ class _MixFromRows(torch.autograd.Function):
     buffer. Backward (per token, ``delta = sum_j alpha_j dalpha_j``): ``dalpha_i = dh . v_i (+ d alpha_i)``,
     ``ds_i = alpha_i (dalpha_i - delta)`` into column ``columns_i`` of row i's gradient, ``dv_i = alpha_i dh``: no
     gradient through norms or the query here (the rows' own product carries them, once per source).
-    Saved: references to the sources and alpha [B, T, N].
+    Saved: references to the sources and alpha, kept as [N, B, T] (a softmax and sums over a leading dim of a few
+    entries run much faster than over a last dim that short); the alpha returned is its [B, T, N] view.
     """
 
     @staticmethod
     def forward(ctx, columns, n_src, *tensors):  # noqa: D102
         sources, rows = tensors[:n_src], tensors[n_src:]
-        logits = torch.stack([row.detach()[..., j] for row, j in zip(rows, columns)], dim=-1)
-        alpha = torch.softmax(logits, dim=-1)
-        h = torch.mul(sources[0].detach().to(alpha.dtype), alpha[..., 0:1])
-        for i in range(1, n_src):
-            h.addcmul_(sources[i].detach(), alpha[..., i : i + 1])
+        logits = torch.stack([row.select(-1, j) for row, j in zip(rows, columns)])  # [N, B, T]
+        alpha = torch.softmax(logits, dim=0)
+        weights = alpha.unsqueeze(-1).unbind(0)  # N contiguous [B, T, 1]
+        h = torch.mul(sources[0].to(alpha.dtype), weights[0])
+        for v, a in zip(sources[1:], weights[1:]):
+            h.addcmul_(v, a)
         ctx.columns, ctx.n_src, ctx.device_type = columns, n_src, sources[0].device.type
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(alpha, *sources, *rows)
-        return h.to(sources[0].dtype), alpha
+        return h.to(sources[0].dtype), alpha.movedim(0, -1)
 
     @staticmethod
     def backward(ctx, grad_h, grad_alpha):  # noqa: D102
@@ -127,7 +174,7 @@ class _MixFromRows(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_h, grad_alpha):
-        alpha, *tensors = ctx.saved_tensors
+        alpha, *tensors = ctx.saved_tensors  # alpha [N, B, T]
         n_src, columns = ctx.n_src, ctx.columns
         sources, rows = tensors[:n_src], tensors[n_src:]
         need = ctx.needs_input_grad[2:]
@@ -144,19 +191,26 @@ class _MixFromRows(torch.autograd.Function):
             return (None, None, *[next(found) if nd else None for nd in need])
         cd = alpha.dtype
         dh = grad_h.to(cd) if grad_h is not None else None
+        scratch = None
         if dh is not None:
             scratch = torch.empty(dh.shape, dtype=cd, device=dh.device)  # one product buffer, reused
-            d_alpha = torch.stack([torch.mul(dh, v, out=scratch).sum(dim=-1) for v in sources], dim=-1)
+            d_alpha = torch.stack([torch.mul(dh, v, out=scratch).sum(dim=-1) for v in sources])  # [N, B, T]
             if grad_alpha is not None:
-                d_alpha += grad_alpha.to(cd)
+                d_alpha += grad_alpha.movedim(-1, 0).to(cd)
         else:
-            d_alpha = grad_alpha.to(cd)
-        ds = alpha * (d_alpha - (alpha * d_alpha).sum(dim=-1, keepdim=True))  # [B, T, N]: logit gradients
-        grad_sources = [
-            torch.mul(dh, alpha[..., i : i + 1]).to(v.dtype) if need[i] and dh is not None else None
-            for i, v in enumerate(sources)
-        ]
-        grad_rows = list(map(_row_grad, rows, columns, ds.unbind(-1), need[n_src:]))
+            d_alpha = grad_alpha.movedim(-1, 0).to(cd)
+        ds = alpha * (d_alpha - (alpha * d_alpha).sum(dim=0))  # [N, B, T]: logit gradients
+        grad_sources = [None] * n_src
+        if dh is not None:
+            weights = alpha.unsqueeze(-1).unbind(0)  # N contiguous [B, T, 1]
+            for i in reversed(range(n_src)):
+                if not need[i]:
+                    continue
+                if scratch is not None and sources[i].dtype == cd:  # the product buffer is free now: reuse it once
+                    grad_sources[i], scratch = torch.mul(dh, weights[i], out=scratch), None
+                else:
+                    grad_sources[i] = torch.mul(dh, weights[i]).to(sources[i].dtype)
+        grad_rows = list(map(_row_grad, rows, columns, ds.unbind(0), need[n_src:]))
         return (None, None, *grad_sources, *grad_rows)
 
 
