@@ -23,8 +23,9 @@ def uses_depth_buffer(backend: str, source: torch.Tensor) -> bool:
 
     The buffer is the torch backend's path for forwards without gradients over few tokens: backend
     ``"torch"``, gradients disabled, sources of at most ``SMALL_NUMEL`` elements, a float32 or float64 dtype
-    (the buffer holds the sources exactly in their own dtype, which must then be the compute dtype) and no
-    autocast (its products would run in half precision).
+    (the buffer holds the sources exactly in their own dtype, which must then be the compute dtype), no
+    autocast (its products would run in half precision), and not while ``torch.compile`` traces the model (the
+    buffer is state kept between forwards, with a lock and cached views, which dynamo cannot capture).
 
     Args:
         backend: a resolved backend. source: one source [B, T, D] (all share its shape).
@@ -32,6 +33,7 @@ def uses_depth_buffer(backend: str, source: torch.Tensor) -> bool:
     return (
         backend == "torch"
         and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
         and source.numel() <= SMALL_NUMEL
         and source.dtype in (torch.float32, torch.float64)
         and not torch.is_autocast_enabled(source.device.type)

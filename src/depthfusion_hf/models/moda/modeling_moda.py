@@ -512,10 +512,14 @@ class MoDAModel(MoDAPreTrainedModel):
 
         Without gradients: always. With gradients: when the stream's autograd path applies
         (``moda_saving_supported``: the CPU flash path or Triton, a mask without gradient, no dispatch
-        mode) and no layer is gradient-checkpointed (a recomputed layer would write the buffer again).
+        mode) and no layer is gradient-checkpointed (a recomputed layer would write the buffer again), and not
+        while ``torch.compile`` traces the model (the stream's Functions keep per-pass state on the stream
+        object, which dynamo cannot capture).
         """
         if not torch.is_grad_enabled():
             return True
+        if torch.compiler.is_compiling():
+            return False
         checkpointed = any(layer.gradient_checkpointing and layer.training for layer in self.layers)
         return not checkpointed and moda_saving_supported(hidden_states, attention_mask, backend)
 

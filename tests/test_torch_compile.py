@@ -1,0 +1,137 @@
+"""``torch.compile`` of every decoder family gives the eager model's numbers: training (loss and every gradient,
+over two optimiser steps, so the compiled graphs are reused after the parameters changed), a forward without
+gradients, and ``generate`` (prefill and one-token steps on the cache) with a compiled forward.
+
+The fast paths that keep state on Python objects (MoDA's ``DepthStream`` in training, AttnRes's ``DepthBuffer``)
+step aside while dynamo traces (``torch.compiler.is_compiling()``): before that, compiled MoDA training crashed
+inside dynamo and compiled AttnRes decoding failed a symbolic-shape assertion. The backend is ``aot_eager``:
+dynamo's tracing and AOT autograd (where our Python meets the compiler) without inductor's C++ code generation
+(seconds, not minutes, on a CPU); inductor changes only how the traced graph is executed.
+
+float64 models: compiled and eager take different paths (the tuple path, the per-call op), which agree to
+reassociation, so values are compared to ``64 eps64`` times their scale.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+import depthfusion_hf
+
+from .attnres.helpers import set_small_numel
+from .causal_lm_checks import TINY_DECODER
+
+EPS64 = torch.finfo(torch.float64).eps
+DECODER = dict(TINY_DECODER, num_hidden_layers=4)
+
+VARIANTS = {
+    "denseformer-2x1": lambda: depthfusion_hf.DenseFormerForCausalLM(
+        depthfusion_hf.DenseFormerConfig(**DECODER, dwa_dilation=2, dwa_period=1)),
+    "moda": lambda: depthfusion_hf.MoDAForCausalLM(depthfusion_hf.MoDAConfig(**DECODER)),
+    "moda-noffn": lambda: depthfusion_hf.MoDAForCausalLM(depthfusion_hf.MoDAConfig(**DECODER, moda_ffn_kv=False)),
+    "attnres-full": lambda: depthfusion_hf.AttnResForCausalLM(depthfusion_hf.AttnResConfig(**DECODER)),
+    "attnres-block3": lambda: depthfusion_hf.AttnResForCausalLM(
+        depthfusion_hf.AttnResConfig(**DECODER, attnres_block_size=3)),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch (no graphs cached from another model)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def float64_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """The variant in float64 with every parameter moved off its initial value (zero pseudo-queries, unit norms
+    and identity DWA weights would hide a wrong path)."""
+    torch.manual_seed(seed)
+    model = VARIANTS[name]().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = want.abs().max().clamp_min(1.0)
+    err = (got - want).abs().max()
+    assert err <= 64 * EPS64 * scale, f"{what}: max |diff| {err.item():.3g} over scale {scale.item():.3g}"
+
+
+# AttnRes a second time with its small-input threshold moved, so the tiny shapes take the training path of real
+# sizes (the logit rows); the other families have no separate path for small inputs.
+TRAIN_CASES = [(name, False) for name in VARIANTS] + [("attnres-full", True), ("attnres-block3", True)]
+
+
+@pytest.mark.parametrize(("name", "list_path"), TRAIN_CASES,
+                         ids=[f"{n}{'-list_path' if lp else ''}" for n, lp in TRAIN_CASES])
+def test_compiled_training_matches_eager(name, list_path, monkeypatch):
+    """Two SGD steps: the compiled model's loss and every gradient equal the eager model's at each step."""
+    if list_path:
+        set_small_numel(monkeypatch, -1)
+    eager = float64_model(name).train()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend="aot_eager")
+    optimisers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, compiled_model)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        ids = torch.randint(3, 97, (2, 10), generator=gen)
+        want = eager(input_ids=ids, labels=ids).loss
+        want.backward()
+        got = compiled(input_ids=ids, labels=ids).loss
+        got.backward()
+        assert_close(got.detach(), want.detach(), f"loss at step {step}")
+        for (n, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
+            assert q.grad is not None, f"{n}: no gradient through the compiled model"
+            assert_close(q.grad, p.grad, f"gradient of {n} at step {step}")
+        for opt in optimisers:
+            opt.step()
+            opt.zero_grad()
+
+
+# Decoding paths: DenseFormer's DWA decode step, MoDA's one-token step, AttnRes's DepthBuffer with block sums.
+DECODE_VARIANTS = ["denseformer-2x1", "moda", "attnres-block3"]
+
+
+@pytest.mark.parametrize("name", DECODE_VARIANTS)
+def test_compiled_forward_and_generate_match_eager(name):
+    """A compiled model decoding on a cache (prefill, then one-token steps; the first call it compiles) gives the
+    eager logits at every step; then ``model.forward = torch.compile(model.forward)`` (the transformers recipe):
+    a forward without gradients gives the eager logits, and greedy ``generate`` with left padding the same
+    tokens and scores."""
+    model = float64_model(name).eval()
+    compiled = torch.compile(model, backend="aot_eager")
+    prompt = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    caches = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        for start, stop in [(0, 6), (6, 7), (7, 8), (8, 9)]:
+            want = model(input_ids=prompt[:, start:stop], cache=caches[0], use_cache=True).logits
+            got = compiled(input_ids=prompt[:, start:stop], cache=caches[1], use_cache=True).logits
+            assert_close(got, want, f"cached logits of tokens {start}:{stop}")
+    assert caches[1].get_seq_length() == prompt.shape[1]
+
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0  # left padding
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def run():
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        return logits, model.generate(ids, attention_mask=mask, generation_config=config, output_scores=True,
+                                      return_dict_in_generate=True)
+
+    want_logits, want = run()
+    model.forward = torch.compile(model.forward, backend="aot_eager")
+    got_logits, got = run()
+    assert_close(got_logits, want_logits, "forward")
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == 5
+    for step, (a, b) in enumerate(zip(got.scores, want.scores)):
+        assert_close(a, b, f"scores of new token {step}")
