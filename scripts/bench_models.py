@@ -26,7 +26,8 @@ vs not) must give the same loss and gradients within the gates of :func:`check_s
 
 Targets on CPU (issue 5): DenseFormer 4×5 train ≤ 1.03× Llama, 1×1 ≤ 1.10×; decode ≥ 0.95×;
 MoDA train ≤ 1.15×. ``--profile`` prints the top operators of each model's train step next to
-Llama's, to explain a missed target. Results are appended to ``docs/bench/models.jsonl``.
+Llama's, to explain a missed target. ``--compile`` times the train step of ``torch.compile(model)`` (inductor)
+for every model instead (decode stays eager). Results are appended to ``docs/bench/models.jsonl``.
 
     python scripts/bench_models.py                 # CPU, fp32, 1 thread
     python scripts/bench_models.py --device cuda --dtype bf16 --batch 16
@@ -218,6 +219,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on shared machines)")
     parser.add_argument("--profile", action="store_true", help="print the top operators of each train step")
+    parser.add_argument("--compile", action="store_true",
+                        help="time the train step of torch.compile(model) (inductor; compiled before the warm-up "
+                             "steps) for every model; decode runs the eager models")
     parser.add_argument("--out", default=str(REPO / "docs" / "bench" / "models.jsonl"))
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
@@ -232,7 +236,8 @@ def main() -> None:
     print(f"# {args.layers} layers, hidden {args.hidden}, KV heads {args.kv_heads or args.hidden // 64} of "
           f"{args.hidden // 64}, MLP {args.intermediate}, vocab {args.vocab}, "
           f"batch {args.batch} × seq {args.seq}, {args.dtype}, attn {args.attn}; {args.reps} interleaved reps, "
-          f"{'process CPU time' if device.type == 'cpu' else 'wall time'}")
+          f"{'process CPU time' if device.type == 'cpu' else 'wall time'}"
+          f"{'; train steps torch.compile(model)' if args.compile else ''}")
     if "moda" not in models:
         print("# MoDA: depthfusion_hf.MoDAForCausalLM not available, skipped")
     n_params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
@@ -241,7 +246,7 @@ def main() -> None:
     ids = torch.randint(3, args.vocab, (args.batch, args.seq), generator=gen).to(device)
     batch = {"input_ids": ids, "labels": ids}
     gates = check_same_function(models, batch)
-    steps = {name: make_train_step(m, batch) for name, m in models.items()}
+    steps = {name: make_train_step(torch.compile(m) if args.compile else m, batch) for name, m in models.items()}
     for step in steps.values():  # warm-up (allocator, optimiser state)
         step()
         step()
