@@ -1,4 +1,4 @@
-"""``torch.compile`` of every decoder family gives the eager model's numbers: training (loss and every gradient,
+"""``torch.compile`` of every family gives the eager model's numbers: training (loss and every gradient,
 over two optimiser steps, so the compiled graphs are reused after the parameters changed), a forward without
 gradients, and ``generate`` (prefill and one-token steps on the cache) with a compiled forward.
 
@@ -135,3 +135,40 @@ def test_compiled_forward_and_generate_match_eager(name):
     assert len(got.scores) == 5
     for step, (a, b) in enumerate(zip(got.scores, want.scores)):
         assert_close(a, b, f"scores of new token {step}")
+
+
+@pytest.mark.parametrize("fusion", ["dwatt", "concat"])
+def test_compiled_dwatt_matches_eager(fusion):
+    """DWAtt (a BERT encoder with a depth-fusion head) compiled: the loss and every gradient of a padded,
+    labelled batch, and the logits without gradients, equal the eager model's (dropout off: compiled and eager
+    draw different random masks)."""
+    from .dwatt.helpers import tiny_model
+
+    torch.manual_seed(0)
+    eager = tiny_model(fusion).double().train()
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    for module in eager.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    eager.config.backbone_config.attention_probs_dropout_prob = 0.0
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend="aot_eager")
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(5, eager.config.backbone_config.vocab_size, (2, 9), generator=gen)
+    labels = torch.randint(0, eager.config.num_labels, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, 7:], labels[0, 7:] = 0, -100
+    want = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
+    want.backward()
+    got = compiled(input_ids=ids, attention_mask=mask, labels=labels).loss
+    got.backward()
+    assert_close(got.detach(), want.detach(), "loss")
+    for (n, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
+        if p.grad is not None:
+            assert_close(q.grad, p.grad, f"gradient of {n}")
+    eager.eval()
+    with torch.no_grad():
+        assert_close(compiled(input_ids=ids, attention_mask=mask).logits,
+                     eager(input_ids=ids, attention_mask=mask).logits, "logits")
