@@ -129,6 +129,8 @@ class LogitRows:
     query: torch.Tensor
     key_norm_weight: torch.Tensor
     versions: tuple[int, int]
+    # set by a call run from the rows: its sources passed through it, which the later calls read instead
+    passed: tuple[torch.Tensor, ...] | None = None
 
     def current_for(self, query: torch.Tensor, key_norm_weight: torch.Tensor) -> bool:
         """Whether the rows hold the logits of a call with these parameters (the same tensors, unchanged)."""
@@ -305,7 +307,9 @@ class AttnResMix(nn.Module):
         if isinstance(sources, DepthBuffer):
             return sources.mix(self.query, self.key_norm_weight, return_weights, self.eps)
         if logit_rows is not None and logit_rows.current_for(self.query, self.key_norm_weight):
-            return attention_residual_from_rows(logit_rows.columns, sources, logit_rows.rows, return_weights)
+            out, logit_rows.passed = attention_residual_from_rows(logit_rows.columns, sources, logit_rows.rows,
+                                                                  return_weights, pass_sources=True)
+            return out
         if backend is None:
             return attention_residual(self.query, sources, self.key_norm_weight, eps=self.eps,
                                       return_weights=return_weights)
@@ -391,6 +395,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             logit_rows = self._logit_rows(rows, call, attnres_state)
         # differs from Llama: + attn_out
         hidden_states = self._mix(self.mlp_res, buffer or sources, backend, record, logit_rows)
+        sources = logit_rows.passed or sources if logit_rows is not None else sources
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
         sources = grow_depth_state(sources, mlp_out, self.mlp_starts_block, buffer)
         if rows is not None:
@@ -399,6 +404,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             logit_rows = self._logit_rows(rows, call + 1, attnres_state)
         # differs from Llama: + mlp_out
         hidden_states = self._mix(self.output_res, buffer or sources, backend, record, logit_rows)
+        sources = logit_rows.passed or sources if logit_rows is not None else sources
         return (hidden_states, *sources, *(rows or ()), *(() if keys is None else (keys,)))
 
     def _logit_rows(self, rows: tuple[torch.Tensor, ...], call: int, state: AttnResForwardState) -> LogitRows:

@@ -151,6 +151,11 @@ class _MixFromRows(torch.autograd.Function):
     gradient through norms or the query here (the rows' own product carries them, once per source).
     Saved: references to the sources and alpha, kept as [N, B, T] (a softmax and sums over a leading dim of a few
     entries run much faster than over a last dim that short); the alpha returned is its [B, T, N] view.
+
+    The sources also come out unchanged (views: ``(h, alpha, *sources)``), for the caller to hand to the next call
+    instead of the inputs: then each version of a source has one reader, and the backward returns each source's
+    whole gradient, ``alpha_i dh`` plus what came back through its pass-through output, in one fused pass, instead
+    of autograd summing one fresh tensor per reading call (every node still returns complete gradients).
     """
 
     @staticmethod
@@ -165,21 +170,21 @@ class _MixFromRows(torch.autograd.Function):
         ctx.columns, ctx.n_src, ctx.device_type = columns, n_src, sources[0].device.type
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(alpha, *sources, *rows)
-        return h.to(sources[0].dtype), alpha.movedim(0, -1)
+        return (h.to(sources[0].dtype), alpha.movedim(0, -1), *sources)
 
     @staticmethod
-    def backward(ctx, grad_h, grad_alpha):  # noqa: D102
+    def backward(ctx, grad_h, grad_alpha, *grad_passed):  # noqa: D102
         with torch.autocast(device_type=ctx.device_type, enabled=False):
-            return _MixFromRows._backward(ctx, grad_h, grad_alpha)
+            return _MixFromRows._backward(ctx, grad_h, grad_alpha, grad_passed)
 
     @staticmethod
-    def _backward(ctx, grad_h, grad_alpha):
+    def _backward(ctx, grad_h, grad_alpha, grad_passed):
         alpha, *tensors = ctx.saved_tensors  # alpha [N, B, T]
         n_src, columns = ctx.n_src, ctx.columns
         sources, rows = tensors[:n_src], tensors[n_src:]
         need = ctx.needs_input_grad[2:]
         if grad_h is None and grad_alpha is None:
-            return (None, None, *([None] * 2 * n_src))
+            return (None, None, *grad_passed, *([None] * n_src))
         if torch.is_grad_enabled():  # create_graph: differentiate the same function written with autograd's ops
             wanted = [x for x, nd in zip(tensors, need) if nd]
             h, a = _mix_rows_reference(columns, sources, rows)
@@ -188,7 +193,11 @@ class _MixFromRows(torch.autograd.Function):
                 outs.append(a)
                 grads.append(grad_alpha.to(a.dtype))
             found = iter(torch.autograd.grad(outs, wanted, grads, create_graph=True, allow_unused=True))
-            return (None, None, *[next(found) if nd else None for nd in need])
+            found = [next(found) if nd else None for nd in need]
+            for i, passed in enumerate(grad_passed):
+                if passed is not None and need[i]:
+                    found[i] = passed if found[i] is None else found[i] + passed
+            return (None, None, *found)
         cd = alpha.dtype
         dh = grad_h.to(cd) if grad_h is not None else None
         scratch = None
@@ -206,30 +215,44 @@ class _MixFromRows(torch.autograd.Function):
             for i in reversed(range(n_src)):
                 if not need[i]:
                     continue
+                passed, out = grad_passed[i], None
                 if scratch is not None and sources[i].dtype == cd:  # the product buffer is free now: reuse it once
-                    grad_sources[i], scratch = torch.mul(dh, weights[i], out=scratch), None
-                else:
-                    grad_sources[i] = torch.mul(dh, weights[i]).to(sources[i].dtype)
+                    out, scratch = scratch, None
+                if passed is None:
+                    grad = torch.mul(dh, weights[i], out=out) if out is not None else torch.mul(dh, weights[i])
+                else:  # alpha_i dh + the gradient through the pass-through output, in one pass
+                    passed = passed.to(cd)
+                    grad = (torch.addcmul(passed, dh, weights[i], out=out) if out is not None
+                            else torch.addcmul(passed, dh, weights[i]))
+                grad_sources[i] = grad.to(sources[i].dtype)
+        else:
+            grad_sources = [g if nd else None for g, nd in zip(grad_passed, need)]
         grad_rows = list(map(_row_grad, rows, columns, ds.unbind(0), need[n_src:]))
         return (None, None, *grad_sources, *grad_rows)
 
 
 def attention_residual_from_rows(
-    columns: Sequence[int], sources: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], return_weights: bool
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    columns: Sequence[int], sources: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], return_weights: bool,
+    pass_sources: bool = False,
+):
     """One call over the sources given each source's :func:`source_logit_rows` (the torch backend's path for a
     caller whose calls share sources); the op's values and gradients to floating-point reassociation.
 
     Args:
         columns: N ints, the call's column in each row. sources: N tensors [B, T, D]. rows: their logit rows
             [B, T, C_i] (compute dtype). return_weights: also return alpha.
+        pass_sources: also return the sources as passed through the call (views of the same tensors), for the
+            caller's later calls to read instead (see :class:`_MixFromRows`: each source's gradient is then
+            formed in one chain of fused passes rather than summed by autograd over its readers).
     Returns:
-        h [B, T, D] in the sources' dtype, or ``(h, alpha)`` with alpha [B, T, N] in the compute dtype.
+        h [B, T, D] in the sources' dtype, or ``(h, alpha)`` with alpha [B, T, N] in the compute dtype; with
+        ``pass_sources``, ``(that, passed sources)``.
     """
     device_type = sources[0].device.type
     with torch.autocast(device_type=device_type, enabled=False):
-        h, alpha = _MixFromRows.apply(tuple(columns), len(sources), *sources, *rows)
-    return (h, alpha) if return_weights else h
+        h, alpha, *passed = _MixFromRows.apply(tuple(columns), len(sources), *sources, *rows)
+    out = (h, alpha) if return_weights else h
+    return (out, tuple(passed)) if pass_sources else out
 
 
 __all__ = [
