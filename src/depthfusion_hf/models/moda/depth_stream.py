@@ -271,11 +271,11 @@ class DepthStream:
         self._readers_of: list[list[int]] = [[] for _ in range(capacity)]  # per slot: the tracked readers
         self._token: torch.Tensor | None = None
         self._grads: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Fast path, per reader: "qdO" [N, R G, 2, d] holds q (forward) and dO (backward) side by side, "P" (forward)
-        # and "dS" (backward) [N, M_max, R G] the depth probabilities and logit gradients.
-        self._products: dict[str, torch.Tensor] = {}
-        self._stale_grad_out = False  # the dO half of "qdO" holds an earlier backward's values
-        self._entry_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # formed ahead of their writer
+        # Fast path, per reader: its queries q [N, G, d] and depth probabilities P [N, G, M] with the window start
+        # (kept by the forward: views of what the reader saves anyway), and its depth-logit gradient dS [N, G, M]
+        # and output gradient dO [N, G, d] (kept by its backward until the writer of its first slot has run).
+        self._reader_forward: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._reader_backward: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[int, tuple] = {}
         self._reset_queued = False
         # One-token decoding without gradients: the entries are kept as they are (no buffer, no copy) and each
@@ -386,12 +386,6 @@ class DepthStream:
             self._masks[key] = (attention_mask, *_sequence_mask(attention_mask, True, q_len, kv_len, dtype))
         return self._masks[key][1:]
 
-    def _product_buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        # Zeros: rows of a reader whose backward never ran (its output unused) must contribute 0, not garbage.
-        if name not in self._products:
-            self._products[name] = like.new_zeros(shape)
-        return self._products[name]
-
     def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int,
                     stop: int) -> torch.Tensor:
         """One query token per sequence, no mask (cached greedy decoding): one concatenation, one SDPA call.
@@ -420,6 +414,8 @@ class DepthStream:
     def _slot_window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots ``[start, stop)`` as ``keys``, ``values`` [M, N, d] (N = B Hkv T tokens): views of the slot-major
         buffers, each slot one contiguous [N, d] block (one-token decoding keeps no buffer: a stacked copy)."""
+        if not 0 <= start <= stop <= self.written:
+            raise RuntimeError(f"DepthStream: window [{start}, {stop}) outside the {self.written} written slots")
         num_entries, head_dim = stop - start, self.shape[4]
         if self._entry_lists is not None:
             slots = tuple(torch.stack(entries[start:stop]) for entries in self._entry_lists)
@@ -438,7 +434,6 @@ class DepthStream:
         """
         batch, num_q_heads, q_len, head_dim = q.shape
         num_kv_heads, kv_len = k.shape[1], k.shape[2]
-        group = num_q_heads // num_kv_heads
         mask, is_causal, empty_rows = self._sequence_mask(attention_mask, q_len, kv_len, q.dtype)
         q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
         out_seq, lse_kernel = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
@@ -450,8 +445,6 @@ class DepthStream:
         if num_entries == 0:  # layer 0: plain causal attention
             saved = (q, k, v, out_seq, lse_kernel, None, mask, is_causal, scale)
             return out_seq, saved
-        tokens = batch * num_kv_heads * q_len
-        depth_k, depth_v = self.window(start, stop)
         key_slots, value_slots = self._slot_window(start, stop)  # (M, N, d) each, views
         q_rows = _to_rows(q, num_kv_heads)  # (N, G, d)
         logits = _depth_dots(q_rows, key_slots).mul_(scale)  # (N, G, M)
@@ -467,10 +460,7 @@ class DepthStream:
         out_rows = _depth_mix(probs, value_slots, alpha.unsqueeze(-1) * _to_rows(out_seq, num_kv_heads))
         out = _from_rows(out_rows, batch, num_kv_heads, q_len)  # (B, Hq, T, d)
         if reader is not None:
-            rows = slice(reader * group, (reader + 1) * group)
-            shape = (tokens, self.num_readers * group)
-            self._product_buffer("qdO", (*shape, 2, head_dim), q)[:, rows, 0] = q_rows
-            self._product_buffer("P", (tokens, self.capacity, shape[1]), q)[:, start:stop, rows] = probs.transpose(1, 2)
+            self._reader_forward[reader] = (q_rows.detach(), probs, start)
         saved = (q, k, v, out, lse_kernel, alpha, mask, is_causal, scale, probs)
         return out, saved
 
@@ -480,13 +470,11 @@ class DepthStream:
         q, k, v, out, lse_kernel, alpha, mask, is_causal, scale = saved[:9]
         batch, num_q_heads, q_len, head_dim = q.shape
         num_kv_heads = k.shape[1]
-        group = num_q_heads // num_kv_heads
         if alpha is None:  # no depth entry
             grads = _FLASH_CPU_BACKWARD(grad_out.contiguous(), q, k, v, out, lse_kernel, 0.0, is_causal,
                                         attn_mask=mask, scale=scale)
             return tuple(g if need else None for g, need in zip(grads, needs))
         probs = saved[9]  # (N, G, M)
-        tokens = probs.shape[0]
         grad_rows = _to_rows(grad_out, num_kv_heads)  # (N, G, d)
         grad_seq = _from_rows(alpha.unsqueeze(-1) * grad_rows, batch, num_kv_heads, q_len)
         grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(grad_seq, q, k, v, out, lse_kernel, 0.0, is_causal,
@@ -499,14 +487,7 @@ class DepthStream:
             grad_q_rows = _depth_mix(grad_logits, key_slots, _to_rows(grad_q, num_kv_heads))  # (N, G, d)
             grad_q = _from_rows(grad_q_rows, batch, num_kv_heads, q_len)
         if reader is not None:
-            rows = slice(reader * group, (reader + 1) * group)
-            shape = (tokens, self.num_readers * group)
-            if self._stale_grad_out:  # a second backward through a retained graph: readers that skip it add 0
-                self._products["qdO"][:, :, 1].zero_()
-                self._stale_grad_out = False
-            self._products["qdO"][:, rows, 1] = grad_rows
-            self._product_buffer("dS", (tokens, self.capacity, shape[1]), grad_rows)[
-                :, start:stop, rows] = grad_logits.transpose(1, 2)
+            self._reader_backward[reader] = (grad_logits, grad_rows)
             self._queue_reset()
         grads = (grad_q, grad_k, grad_v)
         return tuple(g if need else None for g, need in zip(grads, needs))
@@ -519,33 +500,30 @@ class DepthStream:
         if not self.fast:
             grad_keys, grad_values = self.gradient_buffers()
             return grad_keys[slot].transpose(1, 2), grad_values[slot].transpose(1, 2)
-        if slot in self._entry_grads:
-            return self._entry_grads.pop(slot)
-        readers = self._readers_of[slot]
-        if not readers or "dS" not in self._products:  # nobody read it (or no reader's backward ran)
+        # dK_m = sum_r dS_r[:, :, m] q_r and dV_m = sum_r P_r[:, :, m] dO_r over the readers r of slot m whose backward
+        # ran (a reader whose output was unused contributes 0): one fused multiply-add per reader and query head,
+        # each streaming one [N, d] block of the reader's own q / dO (no copies, no per-token matrix products).
+        grad_key = grad_value = None
+        for reader in self._readers_of[slot]:
+            if reader not in self._reader_backward:
+                continue
+            q_rows, probs, start = self._reader_forward[reader]
+            grad_logits, grad_rows = self._reader_backward[reader]
+            col = slot - start
+            for g in range(q_rows.shape[1]):
+                key_weight, value_weight = grad_logits[:, g, col:col + 1], probs[:, g, col:col + 1]  # (N, 1)
+                if grad_key is None:
+                    grad_key, grad_value = q_rows[:, g] * key_weight, grad_rows[:, g] * value_weight  # (N, d)
+                else:
+                    grad_key.addcmul_(q_rows[:, g], key_weight)
+                    grad_value.addcmul_(grad_rows[:, g], value_weight)
+            if col == 0:  # the writers run last slot first: no other slot of this reader is left
+                del self._reader_backward[reader]
+        if grad_key is None:  # nobody read it (or no reader's backward ran)
             zeros = self.keys.new_zeros(batch, num_kv_heads, q_len, head_dim)
             return zeros, zeros
-        # The slot just before (the same layer's attention entry when this is its FFN entry) has the same
-        # readers and its writer runs next: one product forms both gradients (one read of q and dO).
-        first = slot - 1 if slot > 0 and self._readers_of[slot - 1] == readers and self._entry_grad[slot - 1] else slot
-        qdo = self._products["qdO"]  # (N, R G, 2, d)
-        group = qdo.shape[1] // self.num_readers
-        rows = slice(min(readers) * group, (max(readers) + 1) * group)  # readers between that skip it have dS = 0
-        # dK = dS q and dV = P dO as ONE batched product with a block-diagonal left operand over the interleaved
-        # [q_r; dO_r] rows: [[dS, 0], [0, P]] @ [q; dO]. Per token it is a [2n, 2R] @ [2R, d] product; two
-        # separate [n, R] @ [R, d] ones are below the size where CPU bmm leaves its slow scalar loop (R <= 3)
-        # and pay the per-matrix overhead twice. The zeros add exact zeros (reassociation only).
-        tokens, num_rows, count = qdo.shape[0], rows.stop - rows.start, slot + 1 - first
-        left = qdo.new_zeros(tokens, 2, count, num_rows, 2)
-        left[:, 0, :, :, 0] = self._products["dS"][:, first:slot + 1, rows]
-        left[:, 1, :, :, 1] = self._products["P"][:, first:slot + 1, rows]
-        products = torch.bmm(left.view(tokens, 2 * count, 2 * num_rows), qdo[:, rows].view(tokens, 2 * num_rows, -1))
-        grad_keys, grad_values = products[:, :count], products[:, count:]  # (N, n, d) each
         shape = (batch, q_len, num_kv_heads, head_dim)  # the slots' token order, handed on as [B, Hkv, T, d]
-        if first < slot:
-            self._entry_grads[first] = (grad_keys[:, 0].view(shape).transpose(1, 2),
-                                        grad_values[:, 0].view(shape).transpose(1, 2))
-        return grad_keys[:, -1].view(shape).transpose(1, 2), grad_values[:, -1].view(shape).transpose(1, 2)
+        return grad_key.view(shape).transpose(1, 2), grad_value.view(shape).transpose(1, 2)
 
     def gradient_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Generic path: the gradient buffers [M_max, B, T, Hkv, d], slot-major like the entries (zeroed at the
@@ -565,9 +543,7 @@ class DepthStream:
     def _end_of_backward(self) -> None:
         """Drop the backward's buffers (a second backward through a retained graph starts from zeros)."""
         self._grads = None
-        self._entry_grads.clear()
-        self._products.pop("dS", None)
-        self._stale_grad_out = "qdO" in self._products
+        self._reader_backward.clear()
         self._reset_queued = False
 
 
