@@ -165,3 +165,30 @@ def test_gradient_with_respect_to_a_passed_source():
     want_passed = [ref_alpha1[..., i : i + 1] * dh1 for i in range(3)]
     for g, w in zip([*got, *got_passed], [*want, *want_passed]):
         torch.testing.assert_close(g, w, rtol=0, atol=256 * EPS64 * max(1.0, w.abs().max().item()))
+
+
+def test_source_rows_with_the_source_passed_through():
+    """``source_logit_rows(..., pass_source=True)``: the passed view equals the source, and the gradients of the
+    source and keys through both outputs (the passed view's added to the rows' in one buffer) equal autograd's
+    on the formula ``(v u^T) rsqrt(mean(v^2) + eps)``, also second order."""
+    gen = torch.Generator().manual_seed(9)
+    source = torch.randn(2, 3, 6, generator=gen, dtype=torch.float64).requires_grad_()
+    keys = torch.randn(4, 6, generator=gen, dtype=torch.float64).requires_grad_()
+    a, b = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64), torch.randn(2, 3, 6, generator=gen,
+                                                                                dtype=torch.float64)
+
+    def fn(v, u):
+        rows, passed = source_logit_rows(v, u, 1e-3, pass_source=True)
+        assert passed is not v and torch.equal(passed, v)
+        return (rows * a).sum() + (passed * passed * b).sum()
+
+    def ref(v, u):
+        rows = (v @ u.t()) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-3)
+        return (rows * a).sum() + (v * v * b).sum()
+
+    got = torch.autograd.grad(fn(source, keys), (source, keys))
+    want = torch.autograd.grad(ref(source, keys), (source, keys))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=256 * EPS64 * max(1.0, w.abs().max().item()))
+    assert torch.autograd.gradcheck(fn, (source, keys))
+    assert torch.autograd.gradgradcheck(fn, (source, keys))

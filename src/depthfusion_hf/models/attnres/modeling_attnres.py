@@ -99,8 +99,10 @@ def grow_depth_state(
 def add_to_row_state(
     rows: tuple[torch.Tensor, ...], sources: tuple[torch.Tensor, ...], new_block: bool, keys: torch.Tensor,
     sublayer: int, block_size: int, eps: float,
-) -> tuple[torch.Tensor, ...]:
-    """The sources' logit rows after sub-layer ``sublayer`` (1-based) wrote into the last of ``sources``.
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The sources' logit rows after sub-layer ``sublayer`` (1-based) wrote into the last of ``sources``, and the
+    sources with the last one passed through its row's product (the later calls read that view: the source's
+    gradient then meets the row's in one buffer).
 
     The new row scores the last source for the calls that will read this version of it: every later call
     [B, T, C - sublayer + 1] when the sub-layer ends its block (the source is final), else only the next call
@@ -108,8 +110,9 @@ def add_to_row_state(
     ``c - row_start(j, c, block_size)``.
     """
     ends_block = sublayer % block_size == 0 or sublayer == keys.shape[0]
-    last = source_logit_rows(sources[-1], keys[sublayer - 1 :] if ends_block else keys[sublayer - 1 : sublayer], eps)
-    return (*rows, last) if new_block else (*rows[:-1], last)
+    last, passed = source_logit_rows(sources[-1], keys[sublayer - 1 :] if ends_block else keys[sublayer - 1 : sublayer],
+                                     eps, pass_source=True)
+    return ((*rows, last) if new_block else (*rows[:-1], last)), (*sources[:-1], passed)
 
 
 def row_start(source: int, call: int, block_size: int) -> int:
@@ -390,7 +393,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         sources = grow_depth_state(sources, attn_out, self.attn_starts_block, buffer)
         call = 2 * self.layer_idx  # the call feeding this layer's MLP; 2 i + 1 forms its output
         if rows is not None:
-            rows = add_to_row_state(rows, sources, self.attn_starts_block, keys, call + 1, self.block_size,
+            rows, sources = add_to_row_state(rows, sources, self.attn_starts_block, keys, call + 1, self.block_size,
                                     self.mlp_res.eps)
             logit_rows = self._logit_rows(rows, call, attnres_state)
         # differs from Llama: + attn_out
@@ -399,7 +402,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
         sources = grow_depth_state(sources, mlp_out, self.mlp_starts_block, buffer)
         if rows is not None:
-            rows = add_to_row_state(rows, sources, self.mlp_starts_block, keys, call + 2, self.block_size,
+            rows, sources = add_to_row_state(rows, sources, self.mlp_starts_block, keys, call + 2, self.block_size,
                                     self.output_res.eps)
             logit_rows = self._logit_rows(rows, call + 1, attnres_state)
         # differs from Llama: + mlp_out

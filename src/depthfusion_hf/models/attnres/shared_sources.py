@@ -57,7 +57,7 @@ def call_keys(
     return w.to(cd) * g.to(cd)
 
 
-def source_logit_rows(source: torch.Tensor, keys: torch.Tensor, eps: float) -> torch.Tensor:
+def source_logit_rows(source: torch.Tensor, keys: torch.Tensor, eps: float, pass_source: bool = False):
     """A source's logit in every call, computed once when the source is written: ``r (u_c . v)`` for each c.
 
     One [M, D] x [D, C] product per source replaces one dot product per call reading it; its gradient reaches
@@ -65,13 +65,16 @@ def source_logit_rows(source: torch.Tensor, keys: torch.Tensor, eps: float) -> t
 
     Args:
         source: v [B, T, D]. keys: [C, D] from :func:`call_keys`, or the rows of the calls that read this source.
-        eps: the calls' RMSNorm epsilon.
+        eps: the calls' RMSNorm epsilon. pass_source: also return the source passed through (a view), for the
+            caller to use instead: its gradient then meets the rows' in one buffer (see :class:`_SourceRows`).
     Returns:
-        [B, T, C] in the keys' dtype (the compute dtype: float32, float64 for float64 inputs), differentiable.
+        [B, T, C] in the keys' dtype (the compute dtype: float32, float64 for float64 inputs), differentiable;
+        with ``pass_source``, ``(rows, passed source)``.
     """
     with torch.autocast(device_type=source.device.type, enabled=False):  # the logits stay in the compute dtype
         cd = torch.promote_types(source.dtype, keys.dtype)
-        return _SourceRows.apply(source, keys.to(cd), eps)
+        rows, passed = _SourceRows.apply(source, keys.to(cd), eps)
+    return (rows, passed) if pass_source else rows
 
 
 def _source_rows_reference(source: torch.Tensor, keys: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,9 +85,11 @@ def _source_rows_reference(source: torch.Tensor, keys: torch.Tensor, eps: float)
 class _SourceRows(torch.autograd.Function):
     """A source's logit rows ``r (u_c . v)`` (inputs: source v [B, T, D], keys u [C, D] in the compute dtype, eps).
 
-    Forward: ``r = rsqrt(mean(v^2) + eps)`` [B, T], ``p = v u^T`` [B, T, C], rows ``p r``. Backward (``g`` the rows'
-    gradient): ``dv = (g r) u - (sum_c g p) r^3 v / D`` into one buffer, ``du = (g r)^T v`` (one product each; no
-    separate norm gradient for autograd to add to the source's). Saved: references to v and u, r and p.
+    Forward: ``r = rsqrt(mean(v^2) + eps)`` [B, T], ``p = v u^T`` [B, T, C], rows ``p r``; outputs ``(rows, v)`` (v
+    passed through as a view, for the caller's later use). Backward (``g`` the rows' gradient, ``gv`` the passed
+    view's): ``dv = gv + (g r) u - (sum_c g p) r^3 v / D`` into one buffer (one product adding onto ``gv``, one
+    multiply-add), ``du = (g r)^T v``: no separate norm gradient or product for autograd to add to the source's.
+    Saved: references to v and u, r and p.
     """
 
     @staticmethod
@@ -95,18 +100,24 @@ class _SourceRows(torch.autograd.Function):
         # column of the rows is then contiguous
         p = torch.matmul(keys, x.reshape(-1, x.shape[-1]).t()).view(keys.shape[0], *x.shape[:-1]).movedim(0, -1)
         ctx.eps, ctx.device_type = eps, source.device.type
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(source, keys, r, p)
-        return p * r.unsqueeze(-1)
+        return p * r.unsqueeze(-1), source
 
     @staticmethod
-    def backward(ctx, grad_rows):  # noqa: D102
+    def backward(ctx, grad_rows, grad_passed):  # noqa: D102
         source, keys, r, p = ctx.saved_tensors
         need_source, need_keys = ctx.needs_input_grad[:2]
+        if grad_rows is None:
+            return grad_passed, None, None
         if torch.is_grad_enabled():  # create_graph: differentiate the same function written with autograd's ops
             wanted = [x for x, nd in zip((source, keys), (need_source, need_keys)) if nd]
             found = iter(torch.autograd.grad(_source_rows_reference(source, keys, ctx.eps), wanted, grad_rows,
                                              create_graph=True, allow_unused=True))
-            return (next(found) if need_source else None, next(found) if need_keys else None, None)
+            grad_source, grad_keys = next(found) if need_source else None, next(found) if need_keys else None
+            if grad_passed is not None and need_source:
+                grad_source = grad_passed if grad_source is None else grad_source + grad_passed
+            return grad_source, grad_keys, None
         with torch.autocast(device_type=ctx.device_type, enabled=False):
             g = grad_rows.to(keys.dtype)
             gr = g * r.unsqueeze(-1)  # [B, T, C]: the gradient of p
@@ -114,7 +125,12 @@ class _SourceRows(torch.autograd.Function):
             grad_source = grad_keys = None
             if need_source:
                 coef = (g * p).sum(dim=-1).mul_(r.pow(3)).div_(-x.shape[-1])  # dr * dr/d(mean square) / D
-                grad_source = torch.matmul(gr, keys).addcmul_(x, coef.unsqueeze(-1)).to(source.dtype)
+                if grad_passed is None:
+                    grad_source = torch.matmul(gr, keys)
+                else:  # the passed view's gradient + (g r) u in one product
+                    flat = grad_passed.to(keys.dtype).reshape(-1, x.shape[-1])
+                    grad_source = torch.addmm(flat, gr.reshape(-1, gr.shape[-1]), keys).view(x.shape)
+                grad_source = grad_source.addcmul_(x, coef.unsqueeze(-1)).to(source.dtype)
             if need_keys:
                 grad_keys = torch.matmul(gr.reshape(-1, gr.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
             return grad_source, grad_keys, None
