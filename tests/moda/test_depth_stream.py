@@ -271,7 +271,7 @@ def test_decode_step_equals_the_general_path(monkeypatch, overrides, dtype):
         fast = model(ids[:, 5:], cache=cache, use_cache=True).logits
         assert len(calls) == 4  # every layer of the one-token step, none in the prefill
         monkeypatch.setattr(DepthStream, "decode_step", lambda self, q, k, v, scale, start, stop: self.fast_forward(
-            q, k, v, None, scale, start, stop, None)[0])
+            q, k, v, None, scale, start, stop)[0])
         cache.crop(-1)
         general = model(ids[:, 5:], cache=cache, use_cache=True).logits
     assert_same(fast, general, dtype)
@@ -299,20 +299,24 @@ def test_depth_key_rotation_is_llamas_bit_for_bit(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("group,entries,head_dim", [(1, 3, 12), (2, 2, 64), (1, 7, 64), (2, 11, 64)])
-def test_depth_products_match_einsum_on_both_sides_of_the_bmm_threshold(group, entries, head_dim, dtype):
-    """_depth_dots takes bmm or a broadcast multiply-sum by size; _depth_mix accumulates one slot at a time."""
+def test_depth_products_match_einsum(group, entries, head_dim, dtype):
+    """_depth_dots and _depth_mix read M separate entries [N, d] (contiguous or with strided rows, as an FFN value
+    is) one fused product at a time; the small per-token tensors are entry-major [M, N, G]."""
     tokens = 37
-    buffer = torch.randn(entries + 2, tokens, head_dim, dtype=dtype)
-    slots = buffer[1:entries + 1]  # (M, N, d): a window of a slot-major buffer
+    packed = torch.randn(tokens, 2, entries, head_dim, dtype=dtype)  # rows of stride 2 M d, like [.., 2, d] views
+    slots = [packed[:, 1, m] if m % 2 else packed[:, 0, m].contiguous() for m in range(entries)]
+    stacked = torch.stack(slots)  # (M, N, d)
     x = torch.randn(tokens, group, head_dim, dtype=dtype)
-    weights = torch.randn(tokens, group, entries, dtype=dtype)
+    weights = torch.randn(entries, tokens, group, dtype=dtype)
     start = torch.randn(tokens, group, head_dim, dtype=dtype)
     eps = torch.finfo(dtype).eps
-    dots = depth_stream_module._depth_dots(x, slots)
-    expected = torch.einsum("ngd,mnd->ngm", x, slots)
-    torch.testing.assert_close(dots, expected, rtol=0, atol=16 * eps * head_dim * x.abs().max() * slots.abs().max())
+    out = torch.full((entries, tokens, group), float("nan"), dtype=dtype)
+    dots = depth_stream_module._depth_dots(x, slots, out)
+    assert dots is out
+    expected = torch.einsum("ngd,mnd->mng", x, stacked)
+    torch.testing.assert_close(dots, expected, rtol=0, atol=16 * eps * head_dim * x.abs().max() * stacked.abs().max())
     mixed = depth_stream_module._depth_mix(weights, slots, start.clone())
-    expected = start + torch.einsum("ngm,mnd->ngd", weights, slots)
-    scale = max(1.0, (weights.abs().max() * slots.abs().max()).item(), start.abs().max().item())
+    expected = start + torch.einsum("mng,mnd->ngd", weights, stacked)
+    scale = max(1.0, (weights.abs().max() * stacked.abs().max()).item(), start.abs().max().item())
     bound = 16 * eps * (entries + 1) * scale
     torch.testing.assert_close(mixed, expected, rtol=0, atol=bound)

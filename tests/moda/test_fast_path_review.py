@@ -178,15 +178,15 @@ def test_decode_step_with_gradients_enabled_equals_the_reference(monkeypatch, tr
             close(grads[name], ref, 256)
 
 
-def test_frozen_model_one_token_step_with_grad_mode_on_uses_the_buffer_decode(monkeypatch):
-    """Grad mode on, nothing requires grad: the stream keeps buffers and its decode step reads them."""
+def test_frozen_model_one_token_step_with_grad_mode_on_uses_the_decode_step(monkeypatch):
+    """Grad mode on, nothing requires grad: the stream (kept entries, no buffer) runs the decode step."""
     model = tiny_model(seed=6).to(F64).requires_grad_(False)
     ids = torch.randint(3, 97, (2, 6))
     steps = count_calls(monkeypatch, "decode_step")
     with fast_path(monkeypatch):
         cache = model(ids[:, :5], use_cache=True).cache
         fast = model(ids[:, 5:], cache=cache, use_cache=True).logits
-    assert steps and all(stream.keys is not None for stream in steps)
+    assert steps and all(stream.keys is None and stream.track_grad for stream in steps)
     with torch.no_grad(), reference_path(model, monkeypatch):
         ref = model(ids).logits[:, -1:]
     close(fast, ref)
@@ -448,19 +448,20 @@ def test_peft_lora_on_one_ffn_projection_equals_the_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("group,entries,head_dim", [(1, 1, 2), (4, 1, 100), (1, 200, 2), (3, 7, 19), (2, 5, 40)])
-def test_depth_products_at_the_threshold_edges(group, entries, head_dim):
-    """Products just below, at and above bmm's scalar-loop size (G M d = 400), one-entry windows, G > 1."""
+def test_depth_products_at_the_edges(group, entries, head_dim):
+    """One-entry windows, many entries, G > 1, odd head sizes, entries with strided rows."""
     tokens = 5
-    buffer = torch.randn(entries + 1, tokens, head_dim, dtype=F64)
-    slots = buffer[1:]
+    buffer = torch.randn(tokens, entries + 1, head_dim, dtype=F64)
+    slots = list(buffer[:, 1:].unbind(1))  # M entries [N, d], rows of stride (M + 1) d
+    stacked = torch.stack(slots)
     x = torch.randn(tokens, group, head_dim, dtype=F64)
-    dots = depth_stream_module._depth_dots(x, slots)
-    expected = torch.einsum("ngd,mnd->ngm", x, slots)
-    close(dots, expected, 4 * head_dim, scale=(x.abs().max() * slots.abs().max()).item())
-    weights = torch.randn(tokens, group, entries, dtype=F64)
+    dots = depth_stream_module._depth_dots(x, slots, torch.empty(entries, tokens, group, dtype=F64))
+    expected = torch.einsum("ngd,mnd->mng", x, stacked)
+    close(dots, expected, 4 * head_dim, scale=(x.abs().max() * stacked.abs().max()).item())
+    weights = torch.randn(entries, tokens, group, dtype=F64)
     mixed = depth_stream_module._depth_mix(weights, slots, torch.zeros(tokens, group, head_dim, dtype=F64))
-    close(mixed, torch.einsum("ngm,mnd->ngd", weights, slots), 4 * entries,
-          scale=(weights.abs().max() * slots.abs().max()).item())
+    close(mixed, torch.einsum("mng,mnd->ngd", weights, stacked), 4 * entries,
+          scale=(weights.abs().max() * stacked.abs().max()).item())
 
 
 def test_second_backward_reaching_only_the_first_layers_equals_the_reference(monkeypatch):

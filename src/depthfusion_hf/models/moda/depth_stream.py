@@ -83,41 +83,39 @@ def _from_rows(x: torch.Tensor, batch: int, num_kv_heads: int, tokens: int) -> t
     return x.view(batch, tokens, num_kv_heads * group, head_dim).transpose(1, 2)
 
 
+def _entry_rows(entry: torch.Tensor) -> torch.Tensor:
+    """An entry [B, Hkv, T, d] as rows [N, d] in the token order of :func:`_to_rows`: a view for the entries a layer
+    writes (laid out [B, T, Hkv, d] in memory, rows possibly strided), a copy otherwise."""
+    return entry.transpose(1, 2).reshape(-1, entry.shape[-1])
+
+
 def _token_view(slots: torch.Tensor) -> torch.Tensor:
     """Slot-major slots [M, B, T, Hkv, d] as the op's depth layout [B, Hkv, T, M, d] (a view, no copy)."""
     return slots.permute(1, 3, 2, 0, 4)
 
 
-# torch's CPU bmm computes a batch of products with contraction x rows x columns below this in a scalar loop,
-# several times slower than the elementwise form for the depth pool's tiny per-token products.
-_BMM_SCALAR_LOOP = 400
-
-
-def _depth_dots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Per-token dot products with a window of slots: ``out[n, g, m] = x[n, g] . slots[m, n]``.
+def _depth_dots(x: torch.Tensor, slots, out: torch.Tensor) -> torch.Tensor:
+    """Per-token dot products with a window of entries: ``out[m, n, g] = x[n, g] . slots[m][n]``.
 
     Args:
-        x: [N, G, d]; slots: [M, N, d] (a slot-major window, each slot contiguous).
-    Returns:
-        [N, G, M]: one batched product reading the slots in place, or, for products small enough to fall into
-        bmm's scalar loop, a broadcast multiply and sum.
+        x: [N, G, d]; slots: M entries, each [N, d] (any row stride: views of the entries as written);
+        out: [M, N, G], written and returned.
+    One fused dot product per entry, streaming its rows once (the entries are separate tensors, so there is no
+    batched product to take; CPU ``bmm`` on such tiny per-token matrices is no faster).
     """
-    num_entries, _, head_dim = slots.shape
-    if x.shape[1] * num_entries * head_dim < _BMM_SCALAR_LOOP:
-        return (x.unsqueeze(2) * slots.transpose(0, 1).unsqueeze(1)).sum(dim=-1)
-    return torch.bmm(x, slots.permute(1, 2, 0))
+    for m, slot in enumerate(slots):
+        torch.linalg.vecdot(x, slot.unsqueeze(1), out=out[m])
+    return out
 
 
-def _depth_mix(weights: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out[n, g] += sum_m weights[n, g, m] slots[m, n]`` in place, one fused multiply-add per slot.
+def _depth_mix(weights: torch.Tensor, slots, out: torch.Tensor) -> torch.Tensor:
+    """``out[n, g] += sum_m weights[m, n, g] slots[m][n]`` in place, one fused multiply-add per entry.
 
     Args:
-        weights: [N, G, M]; slots: [M, N, d] (slot-major window); out: [N, G, d], accumulated into and returned.
-    Each step streams one contiguous [N, d] slot: as fast as a batched product at M = 22 and up to 10x faster at
-    small M (where bmm takes its scalar loop), with no operand copy.
+        weights: [M, N, G]; slots: M entries, each [N, d]; out: [N, G, d], accumulated into and returned.
     """
-    for m in range(slots.shape[0]):
-        out.addcmul_(weights[:, :, m:m + 1], slots[m].unsqueeze(1))
+    for m, slot in enumerate(slots):
+        out.addcmul_(slot.unsqueeze(1), weights[m].unsqueeze(-1))
     return out
 
 
@@ -165,8 +163,7 @@ class _StreamWrite(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, stream: DepthStream, slot: int, token: torch.Tensor | None, key, value):  # noqa: D102
-        stream.keys[slot].copy_(key.transpose(1, 2))  # (B, T, Hkv, d): the token order of the slots
-        stream.values[slot].copy_(value.transpose(1, 2))
+        stream.store(slot, key, value)
         ctx.stream, ctx.slot, ctx.has_token = stream, slot, token is not None
         ctx.key_dtype, ctx.value_dtype = key.dtype, value.dtype
         return key.new_empty(0)
@@ -190,11 +187,14 @@ class _StreamRead(torch.autograd.Function):
                 scale: float, token: torch.Tensor | None, q, k, v):
         depth = stream.needs_grad(start, stop)
         if stream.fast:
-            out, saved = stream.fast_forward(q, k, v, attention_mask, scale, start, stop, reader if depth else None)
+            out, saved = stream.fast_forward(q, k, v, attention_mask, scale, start, stop)
+            # Through save_for_backward, so that autograd frees them after this backward (unless the graph is retained)
+            ctx.save_for_backward(*saved[:6], *saved[9:])  # q, k, v, out, lse, alpha (None without entries), probs
+            ctx.saved = (None,) * 6 + saved[6:9]  # mask, is_causal, scale
         else:
             depth_k, depth_v = stream.window(start, stop)
             out, saved = moda_forward_saving(q, k, v, depth_k, depth_v, attention_mask, scale, True, stream.backend)
-        ctx.saved = _detached(saved)
+            ctx.saved = _detached(saved)
         ctx.stream, ctx.reader, ctx.start, ctx.stop, ctx.has_token = stream, reader, start, stop, token is not None
         ctx.depth_needs_grad = depth
         return out
@@ -207,7 +207,9 @@ class _StreamRead(torch.autograd.Function):
         depth = ctx.depth_needs_grad and ctx.stop > ctx.start
         needs = tuple(ctx.needs_input_grad[7:10])
         if stream.fast:
-            grad_q, grad_k, grad_v = stream.fast_backward(ctx.saved, grad_out, needs, ctx.reader if depth else None,
+            tensors = ctx.saved_tensors
+            saved = (*tensors[:6], *ctx.saved[6:], *tensors[6:])
+            grad_q, grad_k, grad_v = stream.fast_backward(saved, grad_out, needs, ctx.reader if depth else None,
                                                           ctx.start, ctx.stop)
         else:
             into = None
@@ -271,24 +273,28 @@ class DepthStream:
         self._readers_of: list[list[int]] = [[] for _ in range(capacity)]  # per slot: the tracked readers
         self._token: torch.Tensor | None = None
         self._grads: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Fast path, per reader: its queries q [N, G, d] and depth probabilities P [N, G, M] with the window start
-        # (kept by the forward: views of what the reader saves anyway), and its depth-logit gradient dS [N, G, M]
-        # and output gradient dO [N, G, d] (kept by its backward until the writer of its first slot has run).
-        self._reader_forward: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        self._reader_backward: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Fast path, per reader (kept by its backward until the writer of its first slot has run): its queries
+        # q [N, G, d], depth probabilities P [M, N, G], window start, depth-logit gradient dS [M, N, G] and output
+        # gradient dO [N, G, d].
+        self._reader_backward: dict[int, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[int, tuple] = {}
         self._reset_queued = False
-        # One-token decoding without gradients: the entries are kept as they are (no buffer, no copy) and each
-        # reader concatenates its window behind its sequence keys (see :meth:`decode_step`).
+        # The fast path keeps the entries as they were written (detached, no buffer, no copy): [B, Hkv, T, d] each,
+        # with their row views [N, d] for the depth products (made when first read: one-token decoding concatenates
+        # the entries behind its sequence keys instead, see :meth:`decode_step`) and their versions at the write.
         self._entry_lists: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._entry_rows: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._entry_versions: list[tuple[int, int]] = []
+        self._one_token = False
 
     def _allocate(self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         self.shape = (q.shape[0], k.shape[1], q.shape[2], self.capacity, k.shape[3])  # (B, Hkv, T, M_max, d), logical
         self.dtype, self.device = k.dtype, k.device
         self.fast = _fast_cpu_applies(q, attention_mask, self.backend)
         self._allocated = True
-        if self.fast and not self.track_grad and q.shape[2] == 1 and attention_mask is None:
+        if self.fast:
             self._entry_lists = ([], [])
+            self._one_token = not self.track_grad and q.shape[2] == 1 and attention_mask is None
             return
         slot_major = (self.capacity, q.shape[0], q.shape[2], k.shape[1], k.shape[3])  # (M_max, B, T, Hkv, d)
         self.keys = k.new_empty(slot_major)
@@ -305,22 +311,42 @@ class DepthStream:
             raise RuntimeError(
                 f"DepthStream: entry {slot} written out of order ({self.written} of {self.capacity} slots written)"
             )
-        if self._entry_lists is not None:
-            if slot == self.written:
-                self._entry_lists[0].append(key)
-                self._entry_lists[1].append(value)
-                self.written += 1
-            return
         track = self.track_grad and torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
         if track and slot == self.written:
             self._token = _StreamWrite.apply(self, slot, self._token, key, value)
         else:
             with torch.no_grad():
-                self.keys[slot].copy_(key.transpose(1, 2))
-                self.values[slot].copy_(value.transpose(1, 2))
+                self.store(slot, key, value)
         if slot == self.written:
             self._entry_grad[slot] = track
             self.written += 1
+
+    def store(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep entry ``slot`` (key, value [B, Hkv, T, d]): by reference on the fast path, else copied into its slot.
+
+        On the fast path a slot written again (a recomputation) keeps its first tensors, which hold the same values.
+        """
+        if self._entry_lists is None:
+            self.keys[slot].copy_(key.transpose(1, 2))  # (B, T, Hkv, d): the token order of the slots
+            self.values[slot].copy_(value.transpose(1, 2))
+            return
+        if slot < len(self._entry_lists[0]):
+            return
+        key, value = key.detach(), value.detach()
+        self._entry_lists[0].append(key)
+        self._entry_lists[1].append(value)
+        self._entry_versions.append((key._version, value._version))
+
+    def _check_versions(self, start: int, stop: int) -> None:
+        """Raise if an entry in ``[start, stop)`` was modified in place after it was written (its saved values for
+        the backward would be stale), as autograd does for its own saved tensors."""
+        for slot in range(start, stop):
+            key, value = self._entry_lists[0][slot], self._entry_lists[1][slot]
+            if (key._version, value._version) != self._entry_versions[slot]:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: MoDA depth entry {slot} (a layer's key or value) was changed after it was written"
+                )
 
     def close(self) -> None:
         """End of the forward pass: drop the ordering token (the graph keeps what the backward needs)."""
@@ -330,7 +356,7 @@ class DepthStream:
         """Slots ``[start, stop)`` as views ``depth_k``, ``depth_v`` [B, Hkv, T, stop - start, d] (no copy)."""
         if not self._allocated or not 0 <= start <= stop <= self.written:
             raise RuntimeError(f"DepthStream: window [{start}, {stop}) outside the {self.written} written slots")
-        if self._entry_lists is not None:  # one-token decoding: a stacked copy (only analysis reads it this way)
+        if self._entry_lists is not None:  # the fast path keeps no buffer: a stacked copy (only analysis reads it)
             if stop == start:
                 empty = torch.empty(*self.shape[:3], 0, self.shape[4], dtype=self.dtype, device=self.device)
                 return empty, empty
@@ -353,7 +379,7 @@ class DepthStream:
         """
         if not self._allocated:
             self._allocate(q, k, attention_mask)
-        if self._entry_lists is not None:  # one-token decoding without gradients (see _allocate)
+        if self._one_token:  # one-token decoding without gradients (see _allocate)
             self.reads += 1
             return self.decode_step(q, k, v, scale, start, stop)
         reader = self.reads
@@ -367,7 +393,7 @@ class DepthStream:
                     return self.decode_step(q, k, v, scale, start, stop)
             if self.fast:
                 with torch.no_grad():
-                    return self.fast_forward(q, k, v, attention_mask, scale, start, stop, None)[0]
+                    return self.fast_forward(q, k, v, attention_mask, scale, start, stop)[0]
             depth_k, depth_v = self.window(start, stop)
             return moda_attention_with_backend(q, k, v, depth_k, depth_v, attention_mask, scale, True, self.backend)
         if self.needs_grad(start, stop):
@@ -411,26 +437,22 @@ class DepthStream:
         out = F.scaled_dot_product_attention(q_rows, k, v, scale=scale)  # (B, Hkv, G, d)
         return out.reshape(batch, num_q_heads, 1, head_dim)
 
-    def _slot_window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots ``[start, stop)`` as ``keys``, ``values`` [M, N, d] (N = B Hkv T tokens): views of the slot-major
-        buffers, each slot one contiguous [N, d] block (one-token decoding keeps no buffer: a stacked copy)."""
+    def _slot_window(self, start: int, stop: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Entries ``[start, stop)`` as rows ``keys``, ``values``: M tensors [N, d] each (N = B Hkv T tokens; views)."""
         if not 0 <= start <= stop <= self.written:
             raise RuntimeError(f"DepthStream: window [{start}, {stop}) outside the {self.written} written slots")
-        num_entries, head_dim = stop - start, self.shape[4]
-        if self._entry_lists is not None:
-            slots = tuple(torch.stack(entries[start:stop]) for entries in self._entry_lists)
-        else:
-            slots = (self.keys[start:stop], self.values[start:stop])
-        return tuple(x.view(num_entries, -1, head_dim) for x in slots)
+        for rows, entries in zip(self._entry_rows, self._entry_lists):  # made when first read
+            rows.extend(_entry_rows(entry) for entry in entries[len(rows):stop])
+        return self._entry_rows[0][start:stop], self._entry_rows[1][start:stop]
 
-    def fast_forward(self, q, k, v, attention_mask, scale: float, start: int, stop: int, reader: int | None):
+    def fast_forward(self, q, k, v, attention_mask, scale: float, start: int, stop: int):
         """The attention on CPU (fp32 / fp64) without autograd: ``(out [B, Hq, T, d], saved)``.
 
         Exact merge of the sequence pool (SDPA's flash kernel: output ``o_s`` and log-sum-exp ``lse_s``)
         with the depth logits ``l``: with ``Z = exp(lse_s) + sum_m exp(l_m)``, ``out = exp(lse_s) / Z o_s +
         sum_m exp(l_m) / Z v_m`` (computed relative to the row maximum). The depth products read the
-        window in place (:func:`_depth_dots`, :func:`_depth_mix`). With ``reader`` (entries need gradients) the
-        probabilities and the queries are kept in the stream's product buffers for the writers' backward.
+        entries in place (:func:`_depth_dots`, :func:`_depth_mix`). ``saved``: (q, k, v, out, lse, alpha [N, G],
+        mask, is_causal, scale, probs [M, N, G]); without entries alpha is None and probs absent.
         """
         batch, num_q_heads, q_len, head_dim = q.shape
         num_kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -445,22 +467,18 @@ class DepthStream:
         if num_entries == 0:  # layer 0: plain causal attention
             saved = (q, k, v, out_seq, lse_kernel, None, mask, is_causal, scale)
             return out_seq, saved
-        key_slots, value_slots = self._slot_window(start, stop)  # (M, N, d) each, views
+        key_slots, value_slots = self._slot_window(start, stop)  # M entries [N, d] each, views
         q_rows = _to_rows(q, num_kv_heads)  # (N, G, d)
-        logits = _depth_dots(q_rows, key_slots).mul_(scale)  # (N, G, M)
-        lse_rows = _to_rows(lse_seq.to(logits.dtype).unsqueeze(-1), num_kv_heads).squeeze(-1)  # (N, G)
-        # One softmax over [sequence pool | depth entries], normalised by the row maximum (finite: M >= 1);
-        # a sequence pool with no visible key has lse -inf and weight exactly 0.
-        row_max = torch.maximum(lse_rows, logits.amax(dim=-1))  # (N, G)
-        probs = torch.exp(logits.sub_(row_max.unsqueeze(-1)))  # (N, G, M), unnormalised
-        seq_weight = torch.exp(lse_rows - row_max)  # (N, G)
-        total = probs.sum(dim=-1).add_(seq_weight)  # >= 1
-        alpha = seq_weight.div_(total)  # (N, G): the sequence pool's share
-        probs = probs.div_(total.unsqueeze(-1))  # (N, G, M)
-        out_rows = _depth_mix(probs, value_slots, alpha.unsqueeze(-1) * _to_rows(out_seq, num_kv_heads))
+        # One softmax over [sequence pool | depth entries], entry-major [1 + M, N, G] so that every step is a pass
+        # over contiguous [N, G] planes: row 0 the sequence pool's log-sum-exp (-inf when it has no visible key:
+        # weight exactly 0; the row maximum is finite, M >= 1), rows 1.. the depth logits.
+        joint = q_rows.new_empty(num_entries + 1, *q_rows.shape[:2])
+        joint[0] = _to_rows(lse_seq.unsqueeze(-1), num_kv_heads).squeeze(-1)
+        _depth_dots(q_rows, key_slots, joint[1:]).mul_(scale)
+        weights = torch.softmax(joint, dim=0)
+        alpha, probs = weights[0], weights[1:]  # (N, G): the sequence pool's share; (M, N, G)
+        out_rows = _depth_mix(probs, value_slots, _to_rows(out_seq, num_kv_heads).mul_(alpha.unsqueeze(-1)))
         out = _from_rows(out_rows, batch, num_kv_heads, q_len)  # (B, Hq, T, d)
-        if reader is not None:
-            self._reader_forward[reader] = (q_rows.detach(), probs, start)
         saved = (q, k, v, out, lse_kernel, alpha, mask, is_causal, scale, probs)
         return out, saved
 
@@ -479,15 +497,16 @@ class DepthStream:
         grad_seq = _from_rows(alpha.unsqueeze(-1) * grad_rows, batch, num_kv_heads, q_len)
         grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(grad_seq, q, k, v, out, lse_kernel, 0.0, is_causal,
                                                      attn_mask=mask, scale=scale)
-        key_slots, value_slots = self._slot_window(start, stop)  # (M, N, d) each, views
-        delta = (grad_rows * _to_rows(out, num_kv_heads)).sum(dim=-1)  # D = rowsum(dO * out), (N, G)
-        grad_probs = _depth_dots(grad_rows, value_slots)  # (N, G, M)
-        grad_logits = grad_probs.sub_(delta.unsqueeze(-1)).mul_(probs).mul_(scale)  # dS = P (dP - D) scale
+        self._check_versions(start, stop)
+        key_slots, value_slots = self._slot_window(start, stop)  # M entries [N, d] each, views
+        delta = torch.linalg.vecdot(grad_rows, _to_rows(out, num_kv_heads))  # D = rowsum(dO * out), (N, G)
+        grad_probs = _depth_dots(grad_rows, value_slots, torch.empty_like(probs))  # (M, N, G)
+        grad_logits = grad_probs.sub_(delta).mul_(probs).mul_(scale)  # dS = P (dP - D) scale
         if needs[0]:
             grad_q_rows = _depth_mix(grad_logits, key_slots, _to_rows(grad_q, num_kv_heads))  # (N, G, d)
             grad_q = _from_rows(grad_q_rows, batch, num_kv_heads, q_len)
         if reader is not None:
-            self._reader_backward[reader] = (grad_logits, grad_rows)
+            self._reader_backward[reader] = (_to_rows(q, num_kv_heads), probs, start, grad_logits, grad_rows)
             self._queue_reset()
         grads = (grad_q, grad_k, grad_v)
         return tuple(g if need else None for g, need in zip(grads, needs))
@@ -500,28 +519,29 @@ class DepthStream:
         if not self.fast:
             grad_keys, grad_values = self.gradient_buffers()
             return grad_keys[slot].transpose(1, 2), grad_values[slot].transpose(1, 2)
-        # dK_m = sum_r dS_r[:, :, m] q_r and dV_m = sum_r P_r[:, :, m] dO_r over the readers r of slot m whose backward
-        # ran (a reader whose output was unused contributes 0): one fused multiply-add per reader and query head,
-        # each streaming one [N, d] block of the reader's own q / dO (no copies, no per-token matrix products).
+        # dK_m = sum_r dS_r[m] q_r and dV_m = sum_r P_r[m] dO_r over the readers r of slot m whose backward ran (a
+        # reader whose output was unused contributes 0): one fused multiply-add per reader into [N, G, d], streaming
+        # the reader's own q / dO once (no copies, no per-token matrix products), and one sum over G at the end.
         grad_key = grad_value = None
         for reader in self._readers_of[slot]:
             if reader not in self._reader_backward:
                 continue
-            q_rows, probs, start = self._reader_forward[reader]
-            grad_logits, grad_rows = self._reader_backward[reader]
-            col = slot - start
-            for g in range(q_rows.shape[1]):
-                key_weight, value_weight = grad_logits[:, g, col:col + 1], probs[:, g, col:col + 1]  # (N, 1)
-                if grad_key is None:
-                    grad_key, grad_value = q_rows[:, g] * key_weight, grad_rows[:, g] * value_weight  # (N, d)
-                else:
-                    grad_key.addcmul_(q_rows[:, g], key_weight)
-                    grad_value.addcmul_(grad_rows[:, g], value_weight)
-            if col == 0:  # the writers run last slot first: no other slot of this reader is left
+            q_rows, probs, start, grad_logits, grad_rows = self._reader_backward[reader]
+            key_weight, value_weight = grad_logits[slot - start].unsqueeze(-1), probs[slot - start].unsqueeze(-1)
+            if grad_key is None:
+                grad_key, grad_value = q_rows * key_weight, grad_rows * value_weight  # (N, G, d)
+            else:
+                grad_key.addcmul_(q_rows, key_weight)
+                grad_value.addcmul_(grad_rows, value_weight)
+            if slot == start:  # the writers run last slot first: no other slot of this reader is left
                 del self._reader_backward[reader]
         if grad_key is None:  # nobody read it (or no reader's backward ran)
-            zeros = self.keys.new_zeros(batch, num_kv_heads, q_len, head_dim)
+            zeros = torch.zeros(batch, num_kv_heads, q_len, head_dim, dtype=self.dtype, device=self.device)
             return zeros, zeros
+        if grad_key.shape[1] == 1:  # (N, d)
+            grad_key, grad_value = grad_key.squeeze(1), grad_value.squeeze(1)
+        else:
+            grad_key, grad_value = grad_key.sum(dim=1), grad_value.sum(dim=1)
         shape = (batch, q_len, num_kv_heads, head_dim)  # the slots' token order, handed on as [B, Hkv, T, d]
         return grad_key.view(shape).transpose(1, 2), grad_value.view(shape).transpose(1, 2)
 
