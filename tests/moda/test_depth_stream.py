@@ -320,3 +320,35 @@ def test_depth_products_match_einsum(group, entries, head_dim, dtype):
     scale = max(1.0, (weights.abs().max() * stacked.abs().max()).item(), start.abs().max().item())
     bound = 16 * eps * (entries + 1) * scale
     torch.testing.assert_close(mixed, expected, rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_entry_modified_in_place_before_the_backward_is_rejected(layout):
+    """The fast path keeps the entries as written (no copy): one changed in place after it was written would give its
+    readers' backward stale values, so the backward raises, as autograd does for its own saved tensors."""
+    batch, heads, tokens, head_dim = 2, 2, 3, 4
+
+    def make(requires_grad=True):
+        x = torch.randn(batch, tokens, heads, head_dim, dtype=torch.float64).transpose(1, 2)  # (B, H, T, d)
+        return x.requires_grad_(requires_grad)
+
+    def run_once(modify):
+        stream = DepthStream(capacity=1, num_readers=2, backend="torch", track_grad=True)
+        q0, k0, v0, q1, k1, v1 = (make() for _ in range(6))
+        out0 = stream.attend(q0, k0, v0, None, 0.5, 0, 0)
+        key = k0 * 2.0
+        if layout == "head_major":
+            key = key.contiguous()  # rows are then read through a copy, made when first read
+        value = v0 * 2.0
+        stream.write(0, key, value)
+        out1 = stream.attend(q1, k1, v1, None, 0.5, 0, 1)
+        stream.close()
+        if modify:
+            with torch.no_grad():
+                key.add_(1.0)
+        (out0.sum() + out1.square().sum()).backward()
+        return k0.grad
+
+    assert run_once(modify=False).abs().max() > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: MoDA depth entry 0"):
+        run_once(modify=True)
