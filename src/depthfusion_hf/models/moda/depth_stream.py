@@ -94,17 +94,20 @@ def _token_view(slots: torch.Tensor) -> torch.Tensor:
     return slots.permute(1, 3, 2, 0, 4)
 
 
-def _depth_dots(x: torch.Tensor, slots, out: torch.Tensor) -> torch.Tensor:
+def _depth_dots(x: torch.Tensor, slots, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token dot products with a window of entries: ``out[m, n, g] = x[n, g] . slots[m][n]``.
 
     Args:
         x: [N, G, d]; slots: M entries, each [N, d] (any row stride: views of the entries as written);
-        out: [M, N, G], written and returned.
-    One fused dot product per entry, streaming its rows once (the entries are separate tensors, so there is no
-    batched product to take; CPU ``bmm`` on such tiny per-token matrices is no faster).
+        out: [M, N, G], written and returned; scratch: None or a contiguous [N, G, d] buffer for the products.
+    One product and one sum per entry, streaming its rows once (the entries are separate tensors, so there is no
+    batched product to take; CPU ``bmm`` on such tiny per-token matrices is no faster), into one product buffer:
+    ``linalg.vecdot`` would allocate a fresh one per entry, and fresh memory costs page faults on every step.
     """
+    if scratch is None:
+        scratch = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     for m, slot in enumerate(slots):
-        torch.linalg.vecdot(x, slot.unsqueeze(1), out=out[m])
+        torch.sum(torch.mul(x, slot.unsqueeze(1), out=scratch), dim=-1, out=out[m])
     return out
 
 
@@ -277,6 +280,7 @@ class DepthStream:
         # q [N, G, d], depth probabilities P [M, N, G], window start, depth-logit gradient dS [M, N, G] and output
         # gradient dO [N, G, d].
         self._reader_backward: dict[int, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]] = {}
+        self._scratch: torch.Tensor | None = None  # [N, G, d], reused by every layer (see :meth:`scratch`)
         self._masks: dict[int, tuple] = {}
         self._reset_queued = False
         # The fast path keeps the entries as they were written (detached, no buffer, no copy): [B, Hkv, T, d] each,
@@ -445,6 +449,13 @@ class DepthStream:
             rows.extend(_entry_rows(entry) for entry in entries[len(rows):stop])
         return self._entry_rows[0][start:stop], self._entry_rows[1][start:stop]
 
+    def scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous work buffer of ``like``'s shape and dtype, the same tensor for every layer of the pass: what
+        it holds is used up before the next call (products summed at once, the kernel's gradient input)."""
+        if self._scratch is None or self._scratch.shape != like.shape or self._scratch.dtype != like.dtype:
+            self._scratch = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return self._scratch
+
     def fast_forward(self, q, k, v, attention_mask, scale: float, start: int, stop: int):
         """The attention on CPU (fp32 / fp64) without autograd: ``(out [B, Hq, T, d], saved)``.
 
@@ -474,7 +485,7 @@ class DepthStream:
         # weight exactly 0; the row maximum is finite, M >= 1), rows 1.. the depth logits.
         joint = q_rows.new_empty(num_entries + 1, *q_rows.shape[:2])
         joint[0] = _to_rows(lse_seq.unsqueeze(-1), num_kv_heads).squeeze(-1)
-        _depth_dots(q_rows, key_slots, joint[1:]).mul_(scale)
+        _depth_dots(q_rows, key_slots, joint[1:], self.scratch(q_rows)).mul_(scale)
         weights = torch.softmax(joint, dim=0)
         alpha, probs = weights[0], weights[1:]  # (N, G): the sequence pool's share; (M, N, G)
         out_rows = _depth_mix(probs, value_slots, _to_rows(out_seq, num_kv_heads).mul_(alpha.unsqueeze(-1)))
@@ -494,13 +505,14 @@ class DepthStream:
             return tuple(g if need else None for g, need in zip(grads, needs))
         probs = saved[9]  # (N, G, M)
         grad_rows = _to_rows(grad_out, num_kv_heads)  # (N, G, d)
-        grad_seq = _from_rows(alpha.unsqueeze(-1) * grad_rows, batch, num_kv_heads, q_len)
+        grad_seq = torch.mul(grad_rows, alpha.unsqueeze(-1), out=self.scratch(grad_rows))  # used up by the kernel
+        grad_seq = _from_rows(grad_seq, batch, num_kv_heads, q_len)
         grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(grad_seq, q, k, v, out, lse_kernel, 0.0, is_causal,
                                                      attn_mask=mask, scale=scale)
         self._check_versions(start, stop)
         key_slots, value_slots = self._slot_window(start, stop)  # M entries [N, d] each, views
         delta = torch.linalg.vecdot(grad_rows, _to_rows(out, num_kv_heads))  # D = rowsum(dO * out), (N, G)
-        grad_probs = _depth_dots(grad_rows, value_slots, torch.empty_like(probs))  # (M, N, G)
+        grad_probs = _depth_dots(grad_rows, value_slots, torch.empty_like(probs), self.scratch(grad_rows))  # (M, N, G)
         grad_logits = grad_probs.sub_(delta).mul_(probs).mul_(scale)  # dS = P (dP - D) scale
         if needs[0]:
             grad_q_rows = _depth_mix(grad_logits, key_slots, _to_rows(grad_q, num_kv_heads))  # (N, G, d)
