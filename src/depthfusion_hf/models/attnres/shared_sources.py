@@ -267,7 +267,7 @@ def attention_residual_from_rows(
     device_type = sources[0].device.type
     with torch.autocast(device_type=device_type, enabled=False):
         h, alpha, *passed = _MixFromRows.apply(tuple(columns), len(sources), *sources, *rows)
-    out = (h, alpha) if return_weights else h
+    out = (h, alpha.contiguous()) if return_weights else h  # (the Function's alpha is a view of [N, B, T])
     return (out, tuple(passed)) if pass_sources else out
 
 
