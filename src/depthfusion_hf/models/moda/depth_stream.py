@@ -315,6 +315,12 @@ class DepthStream:
             raise RuntimeError(
                 f"DepthStream: entry {slot} written out of order ({self.written} of {self.capacity} slots written)"
             )
+        if self._one_token:  # no backward, no products: the entries as they are, at a decode step's cost
+            if slot == self.written:
+                self._entry_lists[0].append(key)
+                self._entry_lists[1].append(value)
+                self.written += 1
+            return
         track = self.track_grad and torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
         if track and slot == self.written:
             self._token = _StreamWrite.apply(self, slot, self._token, key, value)
@@ -511,7 +517,8 @@ class DepthStream:
                                                      attn_mask=mask, scale=scale)
         self._check_versions(start, stop)
         key_slots, value_slots = self._slot_window(start, stop)  # M entries [N, d] each, views
-        delta = torch.linalg.vecdot(grad_rows, _to_rows(out, num_kv_heads))  # D = rowsum(dO * out), (N, G)
+        products = torch.mul(grad_rows, _to_rows(out, num_kv_heads), out=self.scratch(grad_rows))
+        delta = products.sum(dim=-1)  # D = rowsum(dO * out), (N, G)
         grad_probs = _depth_dots(grad_rows, value_slots, torch.empty_like(probs), self.scratch(grad_rows))  # (M, N, G)
         grad_logits = grad_probs.sub_(delta).mul_(probs).mul_(scale)  # dS = P (dP - D) scale
         if needs[0]:
