@@ -5,34 +5,36 @@ them as a tuple and stacking them per layer (``torch.stack`` into a fresh ``[B, 
 copies ``O(L^2)`` entries per forward, and in the backward every reading layer returns its own
 ``[.., M_l, d]`` gradient that autograd then sums per entry. :class:`DepthStream` removes both:
 
-- **Forward.** One slot-major buffer per pool, ``keys`` / ``values`` [M_max, B, T, Hkv, d]. Entry
-  ``m`` is copied into slot ``m`` (one contiguous block) once (:meth:`DepthStream.write`); layer ``l``
-  reads its window of slots ``[start, stop)`` as a strided view (no copy; [B, Hkv, T, M, d] for the op,
-  [N, M, d] per-token matrices for the CPU products) and runs the attention on it
-  (:meth:`DepthStream.attend`). A slot is never written again after it has been read.
-- **Backward.** Each reading layer adds its depth gradient in place into a stream-owned gradient
-  buffer of the same layout (no per-entry autograd sums, no per-reader graph edges); when the
-  backward reaches the layer that wrote entry ``m``, the writer hands slot ``m`` of that buffer to
-  the entry's producer as its complete gradient.
+- **Forward.** Entry ``m`` is written once (:meth:`DepthStream.write`) and layer ``l`` reads its window
+  of entries ``[start, stop)`` in place (:meth:`DepthStream.attend`). On the CPU fast path (fp32 / fp64,
+  ``torch`` backend) the entries are kept as the tensors the layers wrote (no buffer, no copy) and read
+  as [N, d] row views, one fused product per entry. Elsewhere (Triton, half precision) they are copied
+  into one slot-major buffer per pool, ``keys`` / ``values`` [M_max, B, T, Hkv, d], read as strided
+  [B, Hkv, T, M, d] views by the op. A slot is never written again after it has been read.
+- **Backward.** An entry's gradient is formed once, when the backward reaches the layer that wrote it:
+  on the fast path from its readers' stored ``q``, ``dO``, ``P``, ``dS`` (one multiply-add per reader);
+  elsewhere each reader adds its depth gradient in place into a stream-owned gradient buffer and the
+  writer hands its slot on. No per-entry autograd sums, no per-reader graph edges.
 
-Autograd safety (the buffer is written in place after earlier layers saved views of it): the buffers
-are not autograd tensors. Two custom Functions own them for the whole pass:
+Autograd safety (entries are read by later layers' backward after the writer's forward returned, and a
+buffer is written in place after earlier layers saved views of it): the stream's tensors are not
+autograd tensors. Two custom Functions own them for the whole pass:
 
-- :class:`_StreamWrite` copies an entry into its slot and returns a new, empty "token" tensor that
-  depends on the previous token;
+- :class:`_StreamWrite` stores an entry and returns a new, empty "token" tensor that depends on the
+  previous token;
 - :class:`_StreamRead` (the attention of one layer) takes the latest token as an input.
 
 So every reader of entry ``m`` consumes a token produced at or after write ``m``, and the writer's
 backward (which needs every reader's contribution) can run only after the backward of each reader
-that depends on its token: the ordering is enforced by the graph, not by hope. The saved views are
-never checked against the buffer's version counter, which is sound because a slot is final once
-read; under gradient checkpointing (a recomputed layer would write again) the model uses the tuple
+that depends on its token: the ordering is enforced by the graph, not by hope. A buffer's saved views
+are never checked against its version counter, which is sound because a slot is final once read; an
+entry kept by reference that is changed in place before the backward raises (its version is checked).
+Under gradient checkpointing (a recomputed layer would write again) the model uses the tuple
 path instead (see ``modeling_moda``).
 
-Without gradients (inference) the same buffers are used with no Function at all: one in-place write
-per entry and one attention call on a view per layer, with the backend resolved once per forward
-pass. A one-token decoding step keeps no buffer: the entries stay the tensors they were written as,
-and each layer runs one SDPA call over ``[sequence keys | its depth entries]`` concatenated.
+Without gradients (inference) the same storage is used with no Function at all, with the backend
+resolved once per forward pass. A one-token decoding step runs each layer as one SDPA call over
+``[sequence keys | its depth entries]`` concatenated.
 
 This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied
 next to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
@@ -58,8 +60,8 @@ from .moda_attention import (
 )
 
 # The stream's own CPU path: SDPA's fused flash kernel for the sequence pool (as in ``moda_attention``'s
-# CPU path) and the depth pool as batched products over the N = B * Hkv * T tokens in the orientation
-# that reads the buffer's strided slots without a copy. Half precision takes the generic path.
+# CPU path) and the depth pool as one fused product per entry over the N = B * Hkv * T tokens, reading the
+# entries' rows in place. Half precision takes the generic path.
 FAST_CPU_DTYPES = (torch.float32, torch.float64)
 
 
@@ -225,7 +227,7 @@ class _StreamRead(torch.autograd.Function):
 
 
 class DepthStream:
-    """The depth entries of one forward pass in two preallocated slot-major buffers.
+    """The depth entries of one forward pass: kept as written (CPU fast path) or in two slot-major buffers.
 
     Args:
         capacity: M_max, the number of entries the pass writes (slots ``0 .. M_max-1``, write order).
@@ -236,20 +238,19 @@ class DepthStream:
             must only be used without gradients.
 
     Attributes:
-        keys, values: [M_max, B, T, Hkv, d], allocated by the first :meth:`attend` (from its ``k``'s
-            heads, head size, dtype and device, so a tensor-parallel shard gets its own heads);
-            slot ``m`` holds entry ``m`` once written. Not allocated for one-token decoding without
-            gradients (T = 1, no mask, the fast path): the entries are then kept as written, each
-            [B, Hkv, 1, d], and each reader concatenates its window behind its sequence keys (:meth:`decode_step`).
+        keys, values: [M_max, B, T, Hkv, d], allocated by the first :meth:`attend` off the fast path (from its
+            ``k``'s heads, head size, dtype and device, so a tensor-parallel shard gets its own heads); slot ``m``
+            holds entry ``m`` once written. None on the fast path, which keeps the entries as written (each
+            [B, Hkv, T, d], detached) and reads them as [N, d] rows; one-token decoding concatenates a reader's
+            entries behind its sequence keys (:meth:`decode_step`).
         fast: the stream's own CPU path runs the attention (fp32 / fp64 with the ``torch`` backend);
             otherwise ``moda_attention``'s functional API does (Triton, half precision).
 
-    Gradients of the entries. On the fast path each reader's backward stores its depth-logit gradient
-    ``dS`` [N, M, G] and its output gradient ``dO`` [N, G, d] (N = B Hkv T tokens) into stream
-    buffers, next to its probabilities ``P`` and queries ``q`` kept from the forward; the writer of
-    slot ``m`` then forms the entry's gradient in one batched product over all its readers,
-    ``dK_m = dS[:, m, readers] @ q[:, readers]`` and ``dV_m = P[:, m, readers] @ dO[:, readers]``.
-    On the generic path each reader adds its ``[.., M, d]`` gradients in place into a stream-owned
+    Gradients of the entries. On the fast path each reader's backward keeps its queries ``q`` [N, G, d],
+    output gradient ``dO`` [N, G, d] (N = B Hkv T tokens), depth probabilities ``P`` and logit gradients
+    ``dS`` [M, N, G] (references, no copies); the writer of slot ``m`` then forms the entry's gradient over
+    its readers r, ``dK_m = sum_r dS_r[m] q_r`` and ``dV_m = sum_r P_r[m] dO_r``, one fused multiply-add per
+    reader. On the generic path each reader adds its ``[.., M, d]`` gradients in place into a stream-owned
     gradient buffer (``depth_grads_into``) and the writer hands its slot on.
 
     Example::
@@ -305,7 +306,7 @@ class DepthStream:
         self.values = k.new_empty(slot_major)
 
     def write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write entry ``slot``: ``key``, ``value`` [B, Hkv, T, d] are copied once into the buffers.
+        """Write entry ``slot``: ``key``, ``value`` [B, Hkv, T, d] are kept (fast path) or copied once into the buffers.
 
         Slots are written in order (``slot == written``). Writing a slot again is allowed only as the
         recomputation of gradient checkpointing: the values are copied without autograd tracking (all
@@ -501,7 +502,7 @@ class DepthStream:
 
     def fast_backward(self, saved, grad_out: torch.Tensor, needs: tuple[bool, bool, bool], reader: int | None,
                       start: int, stop: int) -> tuple[torch.Tensor | None, ...]:
-        """``(dq, dk, dv)`` of :meth:`fast_forward`; with ``reader``, ``dS`` and ``dO`` go to the product buffers."""
+        """``(dq, dk, dv)`` of :meth:`fast_forward`; with ``reader``, its q, P, dS and dO are kept for the writers."""
         q, k, v, out, lse_kernel, alpha, mask, is_causal, scale = saved[:9]
         batch, num_q_heads, q_len, head_dim = q.shape
         num_kv_heads = k.shape[1]
