@@ -17,7 +17,9 @@ next to the real models, as ratios of Llama's step:
    (``models/moda/depth_stream.py``; counted by :func:`depth_pool_reads`): each reading layer reads its
    window of K and of V once in the forward (``q·K``, ``P·V``) and once each in the backward (``dO·V``,
    ``dS·K``), and the gradient of each writer's entries reads the stored ``q`` and ``dO`` [N, G, d] of each of
-   its readers once (one product per writer layer). Terms without a head-size factor (probabilities ``P``,
+   its readers once (as a fused kernel forming the layer's entries together would; the CPU path since round 3
+   forms each entry with one multiply-add per reader, reading them once per entry). Terms without a head-size
+   factor (probabilities ``P``,
    ``dS``), the entry writes and the copies of ``q``/``dO`` are left out, so the count is a lower bound. The
    reads are timed as a **read-reduce** (``x.sum()``, single thread) over a contiguous fp32 buffer of each
    read's size; a copy (``y.copy_(x)``) of the same sizes is reported for reference. Each size is timed
@@ -101,8 +103,8 @@ def depth_pool_reads(config: MoDAConfig, batch: int, seq: int, itemsize: int = 4
     With ``N = batch * seq * Hkv`` token rows and slot size ``s = N * d * itemsize`` bytes (one entry, [N, d]):
     reading layer ``l`` with window ``M_l`` slots (``modeling_moda.depth_window``) reads ``M_l s`` bytes of K and
     of V in the forward and again in the backward (4 reads); writer layer ``w`` (whose one or two entries share
-    their readers and are formed by one product, ``DepthStream.entry_gradient``) reads ``q`` and ``dO``
-    ([N, G, d] each) of each of its ``R_w`` readers: ``2 G R_w s`` bytes.
+    their readers) reads ``q`` and ``dO`` ([N, G, d] each) of each of its ``R_w`` readers once: ``2 G R_w s``
+    bytes (the minimum; ``DepthStream.entry_gradient`` reads them once per entry).
 
     Args:
         config: a ``MoDAConfig``; batch, seq: the train step's B and T; itemsize: bytes per element.
