@@ -199,13 +199,22 @@ def attnres_reference(
     return h.to(sources[0].dtype), alpha
 
 
+def local_aliases(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Aliases (views, in the graph) of a custom backward's saved inputs, for it to recompute its function from and
+    differentiate with ``torch.autograd.grad`` under ``create_graph``: only that recomputation reads them, so the
+    gradient with respect to them is the function's own. With respect to the inputs themselves it would be the
+    total derivative through the forward graph, where one input may depend on another (a later source on an
+    earlier one). The result stays connected to the inputs, for the higher-order gradients."""
+    return [x.view_as(x) for x in tensors]
+
+
 def _reference_grads(needs: Sequence[bool], query, key_norm_weight, sources, eps, grad_h, grad_alpha):
     """Double-backward path of the custom Function: differentiate the reference with ``create_graph``.
 
     ``needs``: whether query, key_norm_weight and each source need a gradient. Returns one entry per input
     (None where not needed); a source's gradient includes the path through its norm.
     """
-    inputs = [query, key_norm_weight, *sources]
+    query, key_norm_weight, *sources = inputs = local_aliases([query, key_norm_weight, *sources])
     wanted = [x for x, need in zip(inputs, needs) if need]
     h, alpha = attnres_reference(query, sources, key_norm_weight, eps)
     outs, grads_out = [h], [grad_h if grad_h is not None else torch.zeros_like(h)]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .attnres import SMALL_NUMEL, source_inv_rms
+from .attnres import SMALL_NUMEL, local_aliases, source_inv_rms
 
 
 def uses_logit_rows(backend: str, source: torch.Tensor) -> bool:
@@ -111,6 +111,7 @@ class _SourceRows(torch.autograd.Function):
         if grad_rows is None:
             return grad_passed, None, None
         if torch.is_grad_enabled():  # create_graph: differentiate the same function written with autograd's ops
+            source, keys = local_aliases((source, keys))
             wanted = [x for x, nd in zip((source, keys), (need_source, need_keys)) if nd]
             found = iter(torch.autograd.grad(_source_rows_reference(source, keys, ctx.eps), wanted, grad_rows,
                                              create_graph=True, allow_unused=True))
@@ -202,6 +203,8 @@ class _MixFromRows(torch.autograd.Function):
         if grad_h is None and grad_alpha is None:
             return (None, None, *grad_passed, *([None] * n_src))
         if torch.is_grad_enabled():  # create_graph: differentiate the same function written with autograd's ops
+            tensors = local_aliases(tensors)
+            sources, rows = tensors[:n_src], tensors[n_src:]
             wanted = [x for x, nd in zip(tensors, need) if nd]
             h, a = _mix_rows_reference(columns, sources, rows)
             outs, grads = [h], [grad_h if grad_h is not None else torch.zeros_like(h)]
