@@ -323,6 +323,16 @@ class DepthStream:
                 self.written += 1
             return
         track = self.track_grad and torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+        if track and slot < self.written and not self._entry_grad[slot]:
+            # written without gradients, now with: a layer recomputed by reentrant checkpointing, whose forward ran
+            # under no_grad; the later layers' gradients through this entry were not tracked (they would be lost)
+            raise RuntimeError(
+                f"MoDA's depth stream: entry {slot} was written without gradients and is now written again with "
+                "them: a layer under reentrant activation checkpointing applied from outside the model (its "
+                "forward ran without gradients, so the gradients through its depth entries would be lost). Use "
+                "model.gradient_checkpointing_enable() (the model then passes the entries as the layers' "
+                "outputs), or non-reentrant checkpointing (use_reentrant=False)"
+            )
         if track and slot == self.written:
             self._token = _StreamWrite.apply(self, slot, self._token, key, value)
         else:
