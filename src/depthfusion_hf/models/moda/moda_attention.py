@@ -426,7 +426,12 @@ def _flash_cpu_backward(grad_out, q, k, v, depth_k, depth_v, out, state, mask, i
 
 def _second_order_grads(inputs, needs, grad_out, attention_mask, scale, causal):
     """Gradients of :func:`moda_torch_math` recomputed with ``create_graph=True`` (a custom Function's
-    backward run under ``create_graph``): correct, twice differentiable, and materialised [T, S]."""
+    backward run under ``create_graph``): correct, twice differentiable, and materialised [T, S].
+
+    Recomputed from aliases (views) of the inputs that only it reads: with respect to the inputs themselves the
+    gradient would be the total derivative through the caller's graph, where one input may depend on another (keys
+    computed from the queries, depth entries from the keys); the result stays connected to the inputs."""
+    inputs = [x.view_as(x) for x in inputs]
     out = moda_torch_math(*inputs, attention_mask, scale, causal)
     wanted = [x for x, need in zip(inputs, needs) if need]
     grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True, allow_unused=True))

@@ -720,7 +720,9 @@ class _MoDATritonFunction(torch.autograd.Function):
                     "call moda_attention(..., backend='triton'), which recomputes them with the PyTorch path, "
                     "or use backend='torch' / 'reference'"
                 )
-            inputs = (q, k, v, depth_k, depth_v)
+            # aliases that only the recomputation reads: the gradient with respect to the inputs themselves would
+            # be the total derivative through the caller's graph (one input may depend on another)
+            inputs = tuple(x.view_as(x) for x in (q, k, v, depth_k, depth_v))
             out = ctx.second_order(*inputs, ctx.attention_mask, ctx.scale, ctx.causal)
             wanted = [x for x, need in zip(inputs, needs) if need]
             grads = iter(torch.autograd.grad(out, wanted, do, create_graph=True, allow_unused=True))
