@@ -14,33 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthfusion_hf.models.attnres import AttnResForCausalLM, shared_sources
+from depthfusion_hf.models.attnres import AttnResForCausalLM
 from depthfusion_hf.models.attnres.attnres import attnres_reference
 from depthfusion_hf.models.attnres.shared_sources import attention_residual_from_rows, call_keys, source_logit_rows
 
-from .helpers import randomise_attnres, set_small_numel, tiny_config
+from .helpers import randomise_attnres, tiny_config
 
 EPS32 = torch.finfo(torch.float32).eps
-
-
-@pytest.fixture
-def list_path(monkeypatch):
-    """The torch backend's list path (and so the logit rows), whatever the size."""
-    set_small_numel(monkeypatch, -1)
-
-
-@pytest.fixture
-def row_calls(monkeypatch):
-    """Counts the calls run from logit rows."""
-    count = {"rows": 0}
-    original = shared_sources._MixFromRows.apply
-
-    def counting(*args):
-        count["rows"] += 1
-        return original(*args)
-
-    monkeypatch.setattr(shared_sources._MixFromRows, "apply", counting)
-    return count
 
 
 def loss_and_grads(model, ids, weight_loss: torch.Tensor | None = None):

@@ -27,12 +27,6 @@ from tests.attnres._op_cases import (
 from .helpers import randomise_attnres, set_small_numel, tiny_config
 
 
-@pytest.fixture
-def list_path(monkeypatch):
-    """The torch backend's custom Function over the source list, whatever the size."""
-    set_small_numel(monkeypatch, -1)
-
-
 def run_cached(query, sources, weight, grad_h, grad_alpha, detach_norms=False):
     """The op with ``inv_rms`` from ``source_inv_rms``; ``(h, alpha, [d_query, d_weight, *d_sources])``."""
     norms = [source_inv_rms(v, 1e-6) for v in sources]
