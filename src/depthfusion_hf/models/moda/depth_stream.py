@@ -440,7 +440,7 @@ class DepthStream:
         The query sits at the last of the S positions, so causality hides nothing: the joint softmax over
         ``[S sequence keys | M depth entries]`` is plain attention over the concatenated keys and values,
         which SDPA computes in one fused call. A GQA group's G query heads become G query rows of their KV
-        head (no K/V repeat).
+        head (no K/V repeat). Fast path only: the entries are read as they were written.
 
         Args:
             q: [B, Hq, 1, d]; k, v: [B, Hkv, S, d]. Returns [B, Hq, 1, d].
@@ -448,12 +448,8 @@ class DepthStream:
         batch, num_q_heads, _, head_dim = q.shape
         num_kv_heads = k.shape[1]
         if stop > start:
-            if self._entry_lists is not None:
-                k = torch.cat([k, *self._entry_lists[0][start:stop]], dim=2)  # (B, Hkv, S + M, d)
-                v = torch.cat([v, *self._entry_lists[1][start:stop]], dim=2)
-            else:
-                depth_k, depth_v = self.window(start, stop)  # (B, Hkv, 1, M, d)
-                k, v = torch.cat([k, depth_k.squeeze(2)], dim=2), torch.cat([v, depth_v.squeeze(2)], dim=2)
+            k = torch.cat([k, *self._entry_lists[0][start:stop]], dim=2)  # (B, Hkv, S + M, d)
+            v = torch.cat([v, *self._entry_lists[1][start:stop]], dim=2)
         q_rows = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # (B, Hkv, G, d)
         out = F.scaled_dot_product_attention(q_rows, k, v, scale=scale)  # (B, Hkv, G, d)
         return out.reshape(batch, num_q_heads, 1, head_dim)
@@ -520,7 +516,7 @@ class DepthStream:
             grads = _FLASH_CPU_BACKWARD(grad_out.contiguous(), q, k, v, out, lse_kernel, 0.0, is_causal,
                                         attn_mask=mask, scale=scale)
             return tuple(g if need else None for g, need in zip(grads, needs))
-        probs = saved[9]  # (N, G, M)
+        probs = saved[9]  # (M, N, G)
         grad_rows = _to_rows(grad_out, num_kv_heads)  # (N, G, d)
         grad_seq = torch.mul(grad_rows, alpha.unsqueeze(-1), out=self.scratch(grad_rows))  # used up by the kernel
         grad_seq = _from_rows(grad_seq, batch, num_kv_heads, q_len)

@@ -15,9 +15,10 @@ from the layer (the values the KV cache holds) without a second projection.
 Cached decoding: the depth stream is per token, so a forward pass builds it only for the tokens it
 processes; the ordinary ``DynamicCache`` (sequence K/V) is all the state generation needs.
 
-Depth stream: each forward pass writes the entries once into a preallocated slot-major buffer
-(``depth_stream.DepthStream``) that every later layer reads in place; in the backward each entry's
-gradient is accumulated in place into one stream-owned buffer. Where the stream's autograd path does
+Depth stream: each forward pass writes the entries once (``depth_stream.DepthStream``: kept as written on
+the CPU fast path, copied into a slot-major buffer on Triton and in half precision) and every later layer
+reads them in place; in the backward each entry's gradient is formed once, at its writer. Where the stream's
+autograd path does
 not apply (gradients enabled with the ``reference`` backend, the PyTorch path off CPU, a Python
 dispatch mode, or gradient checkpointing, whose recomputation would write the buffer again) the
 model falls back to passing the entries to each layer as flat positional tensors (so that reentrant
