@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from depthfusion_hf.models.attnres import AttnResForCausalLM
-from depthfusion_hf.models.attnres.modeling_attnres import calls_readable_ahead
+from depthfusion_hf.models.attnres.modeling_attnres import call_parameters, calls_readable_ahead
 
 from .helpers import randomise_attnres, set_small_numel, tiny_config
 
@@ -40,8 +40,8 @@ def test_fsdp2_sharded_model_equals_the_plain_one(one_rank_group, monkeypatch, b
     for layer in sharded.model.layers:
         fully_shard(layer)
     fully_shard(sharded)
-    assert calls_readable_ahead(plain.model.attnres_calls(), plain.config.hidden_size)
-    assert not calls_readable_ahead(sharded.model.attnres_calls(), plain.config.hidden_size)
+    assert calls_readable_ahead(*call_parameters(plain.model.attnres_calls()), plain.config.hidden_size)
+    assert not calls_readable_ahead(*call_parameters(sharded.model.attnres_calls()), plain.config.hidden_size)
     ids = torch.randint(0, plain.config.vocab_size, (2, 5))
     for grad in (False, True):
         with torch.set_grad_enabled(grad):

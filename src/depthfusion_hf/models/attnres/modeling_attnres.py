@@ -141,13 +141,13 @@ class LogitRows:
                 and (query._version, key_norm_weight._version) == self.versions)
 
 
-def calls_readable_ahead(calls: list[AttnResMix], hidden_size: int) -> bool:
-    """Whether every call's parameters (pseudo-query, key-norm weight) can be read before its layer runs, as the
-    shared-source paths do at the start of a forward: plain tensors of shape [hidden_size]. Not under FSDP2 or
-    tensor parallelism (sharded DTensors, gathered only inside their layer's forward) nor DeepSpeed ZeRO-3
-    (partitioned parameters are empty until gathered): those forwards take the per-call path.
+def calls_readable_ahead(queries: list[torch.Tensor], weights: list[torch.Tensor], hidden_size: int) -> bool:
+    """Whether every call's parameters (:func:`call_parameters`: pseudo-queries, key-norm weights) can be read
+    before its layer runs, as the shared-source paths do at the start of a forward: plain tensors of shape
+    [hidden_size]. Not under FSDP2 or tensor parallelism (sharded DTensors, gathered only inside their layer's
+    forward) nor DeepSpeed ZeRO-3 (partitioned parameters are empty until gathered): those forwards take the
+    per-call path.
     """
-    queries, weights = call_parameters(calls)
     return all(type(p) in (torch.Tensor, nn.Parameter) and p.shape == (hidden_size,) for p in (*queries, *weights))
 
 
@@ -537,13 +537,14 @@ class AttnResModel(AttnResPreTrainedModel):
         held = None  # the DepthBuffer this forward holds (released at its end)
         # the shared-source paths read every call's parameters at the start; not possible when they are sharded
         calls = self.attnres_calls()
-        shareable = calls_readable_ahead(calls, inputs_embeds.shape[-1])
+        params = call_parameters(calls)
+        shareable = calls_readable_ahead(*params, inputs_embeds.shape[-1])
         if shareable and uses_depth_buffer(backend, inputs_embeds):  # cached decoding: the sources in one buffer
-            state.buffer = held = self.start_depth_buffer(inputs_embeds, calls)
+            state.buffer = held = self.start_depth_buffer(inputs_embeds, calls, params)
             sources = ()
         rows: tuple[torch.Tensor, ...] = ()
         if shareable and uses_logit_rows(backend, inputs_embeds):  # each source scored for every call once
-            rows = self.start_logit_rows(inputs_embeds, state, calls)
+            rows = self.start_logit_rows(inputs_embeds, state, calls, params)
         try:
             hidden_states = self.run_layers(hidden_states, sources, rows, state, causal_mask, position_embeddings,
                                             position_ids, cache, use_cache, **kwargs)
@@ -563,9 +564,12 @@ class AttnResModel(AttnResPreTrainedModel):
         layers = itertools.islice(self.layers, self.config.num_hidden_layers)  # (slicing builds a ModuleList)
         return [child(layer, name) for layer in layers for name in ("mlp_res", "output_res")]
 
-    def start_depth_buffer(self, inputs_embeds: torch.Tensor, calls: list[AttnResMix]) -> DepthBuffer:
+    def start_depth_buffer(
+        self, inputs_embeds: torch.Tensor, calls: list[AttnResMix],
+        params: tuple[list[torch.Tensor], list[torch.Tensor]],
+    ) -> DepthBuffer:
         """A locked :class:`DepthBuffer` holding the embedding [B, T, D] and the key of every call of ``calls``
-        (:meth:`attnres_calls`).
+        (:meth:`attnres_calls`; ``params``: their :func:`call_parameters`).
 
         The buffers are kept between forwards (in a module-level weak dictionary, not on the model: copies and
         pickles of the model do not carry them).
@@ -574,21 +578,22 @@ class AttnResModel(AttnResPreTrainedModel):
         # the calls' eps and the layers' block size (fixed at construction), not the config's now
         buffer = acquire_depth_buffer(pool, inputs_embeds, num_depth_sources(len(calls), self.layers[0].block_size),
                                       len(calls), calls[0].eps)
-        buffer.start(inputs_embeds, *call_parameters(calls))
+        buffer.start(inputs_embeds, *params)
         return buffer
 
     def start_logit_rows(
-        self, inputs_embeds: torch.Tensor, state: AttnResForwardState, calls: list[AttnResMix]
+        self, inputs_embeds: torch.Tensor, state: AttnResForwardState, calls: list[AttnResMix],
+        params: tuple[list[torch.Tensor], list[torch.Tensor]],
     ) -> tuple[torch.Tensor, ...]:
-        """Take the key of every call of ``calls`` (:meth:`attnres_calls`) once (``call_keys``) and score the
-        embedding [B, T, D] for every call.
+        """Take the key of every call of ``calls`` (:meth:`attnres_calls`; ``params``: their
+        :func:`call_parameters`) once (``call_keys``) and score the embedding [B, T, D] for every call.
 
         Returns ``(embedding's logit rows [B, T, C], keys [C, D])`` to pass after the sources, and records the
         parameters of the keys in ``state.key_params`` (their version counters in ``state.key_versions``); ``()``
         (each call scores its own sources) when a call's parameters are not on the embedding's device (e.g.
         offloaded), have no version counter (inference tensors), or the calls' eps differ.
         """
-        queries, weights = call_parameters(calls)
+        queries, weights = params
         eps = {mix.eps for mix in calls}
         versions = parameter_versions((*queries, *weights))
         if any(p.device != inputs_embeds.device for p in (*queries, *weights)) or len(eps) != 1 or versions is None:
