@@ -153,3 +153,28 @@ print("ok")
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_precedence_argument_environment_config(monkeypatch):
+    """argument > $DEPTHFUSION_BACKEND > the config's op_backend > automatic."""
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    assert resolve_backend(None, CPU, "reference") == "reference"
+    assert resolve_backend(None, CPU, "auto") == "torch"
+    monkeypatch.setenv(BACKEND_ENV_VAR, "torch")
+    assert resolve_backend(None, CPU, "reference") == "torch"
+    assert resolve_backend("reference", CPU, "torch") == "reference"
+
+
+def test_model_uses_config_op_backend(no_env, monkeypatch):
+    """A DenseFormer whose config says op_backend='reference' runs every DWA step on the reference."""
+    from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM
+
+    calls = _spy(monkeypatch)
+    config = DenseFormerConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                               vocab_size=20, op_backend="reference")
+    DenseFormerForCausalLM(config)(torch.tensor([[1, 2, 3]]))
+    assert calls == ["reference", "reference"]
+    config.op_backend = "torch"
+    calls.clear()
+    DenseFormerForCausalLM(config)(torch.tensor([[1, 2, 3]]))
+    assert calls == ["torch", "torch"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
+OP_BACKENDS = ("auto", "reference", "torch", "triton")
+
 
 # Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_positive_int
 def check_positive_int(name: str, value, upper: int | None = None, upper_name: str | None = None) -> None:
@@ -39,6 +41,14 @@ def check_llama_shapes(config: LlamaConfig) -> None:
         raise ValueError(f"`head_dim` must be an even integer >= 2 (RoPE rotates pairs); got {config.head_dim}")
 
 
+# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_op_backend
+def check_op_backend(config: LlamaConfig) -> None:
+    """Validate ``op_backend``: None or one of ``OP_BACKENDS`` (any case); raise a ValueError naming it."""
+    value = config.op_backend
+    if value is not None and (not isinstance(value, str) or value.lower() not in OP_BACKENDS):
+        raise ValueError(f"`op_backend` must be None or one of {OP_BACKENDS}; got {value!r}")
+
+
 @strict
 class AttnResConfig(LlamaConfig):
     r"""Configuration of an Attention Residuals decoder (Kimi Team, 2026, arXiv 2603.15031).
@@ -53,6 +63,10 @@ class AttnResConfig(LlamaConfig):
             AttnRes: the sub-layers form blocks of S, summed as usual inside a block; a sub-layer attends over
             the embedding, the earlier blocks' sums and the running sum of its own block. ``S = 1`` computes
             exactly the full variant. Allowed: ``None`` or ``1 <= S <= 2 * num_hidden_layers``.
+        op_backend (`str` or None, defaults to None): which implementation of the family's op runs:
+            ``"reference"`` (the paper's loop), ``"torch"`` (vectorised PyTorch), ``"triton"`` (the fused
+            kernel, CUDA), or None / ``"auto"`` (Triton for CUDA tensors when it imports, else PyTorch). An
+            op's ``backend=`` argument and ``$DEPTHFUSION_BACKEND`` take precedence over it.
 
     Example:
         >>> config = AttnResConfig(num_hidden_layers=12, attnres_block_size=3)  # 24 sub-layers, 8 blocks
@@ -61,6 +75,7 @@ class AttnResConfig(LlamaConfig):
     model_type = "attnres"
 
     attnres_block_size: int | None = None
+    op_backend: str | None = None
 
     # Copied from depthfusion_hf.models.denseformer.configuration_denseformer.DenseFormerConfig.__post_init__
     def __post_init__(self, **kwargs):
@@ -72,6 +87,7 @@ class AttnResConfig(LlamaConfig):
     def check_fields(self) -> None:
         """Run every validation of this config (also after a field was changed); raise a ValueError naming it."""
         check_llama_shapes(self)
+        check_op_backend(self)
         if self.attnres_block_size is not None:
             check_positive_int("attnres_block_size", self.attnres_block_size, 2 * self.num_hidden_layers,
                                "at most 2 * num_hidden_layers sub-layers; None = full AttnRes")

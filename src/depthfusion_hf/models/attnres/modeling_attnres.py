@@ -203,8 +203,8 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         vocab_size: ids must lie in ``[0, vocab_size)``.
     Raises:
         ValueError: unless exactly one of the two is given, it has the shape above with at least one
-            token, and (for ids) an integer dtype and every id in range. On CUDA an id out of range fails
-            asynchronously instead: a device-side assertion, raised as a RuntimeError at the next sync.
+            token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
+            which holds no values). On CUDA an id out of range fails asynchronously instead: a device-side assertion, raised as a RuntimeError at the next sync.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -218,6 +218,8 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         return
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
+    if input_ids.device.type == "meta":
+        return  # no values to check: the meta device only sizes and plans models
     out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
     if input_ids.device.type == "cuda":
         # No host sync per forward (it would stall every training and decoding step): the check runs on the

@@ -5,6 +5,8 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
+OP_BACKENDS = ("auto", "reference", "torch", "triton")
+
 
 def check_positive_int(name: str, value, upper: int | None = None, upper_name: str | None = None) -> None:
     """Raise a ValueError naming ``name`` unless ``1 <= value (<= upper)``."""
@@ -37,6 +39,13 @@ def check_llama_shapes(config: LlamaConfig) -> None:
         raise ValueError(f"`head_dim` must be an even integer >= 2 (RoPE rotates pairs); got {config.head_dim}")
 
 
+def check_op_backend(config: LlamaConfig) -> None:
+    """Validate ``op_backend``: None or one of ``OP_BACKENDS`` (any case); raise a ValueError naming it."""
+    value = config.op_backend
+    if value is not None and (not isinstance(value, str) or value.lower() not in OP_BACKENDS):
+        raise ValueError(f"`op_backend` must be None or one of {OP_BACKENDS}; got {value!r}")
+
+
 @strict
 class DenseFormerConfig(LlamaConfig):
     r"""Configuration of a DenseFormer (Pagliardini et al., 2024, arXiv 2402.02622).
@@ -50,6 +59,10 @@ class DenseFormerConfig(LlamaConfig):
             Allowed: ``1 <= k <= num_hidden_layers``.
         dwa_period (`int`, defaults to 1): p, a DWA step after block ``i`` only when ``p | i``.
             Allowed: ``1 <= p <= num_hidden_layers``.
+        op_backend (`str` or None, defaults to None): which implementation of the family's op runs:
+            ``"reference"`` (the paper's loop), ``"torch"`` (vectorised PyTorch), ``"triton"`` (the fused
+            kernel, CUDA), or None / ``"auto"`` (Triton for CUDA tensors when it imports, else PyTorch). An
+            op's ``backend=`` argument and ``$DEPTHFUSION_BACKEND`` take precedence over it.
 
     Example:
         >>> config = DenseFormerConfig(num_hidden_layers=12, dwa_dilation=4, dwa_period=5)
@@ -59,6 +72,7 @@ class DenseFormerConfig(LlamaConfig):
 
     dwa_dilation: int = 1
     dwa_period: int = 1
+    op_backend: str | None = None
 
     def __post_init__(self, **kwargs):
         # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
@@ -73,6 +87,7 @@ class DenseFormerConfig(LlamaConfig):
         changed after construction (e.g. ``config.dwa_dilation = 0``) gets the same error.
         """
         check_llama_shapes(self)
+        check_op_backend(self)
         layers = self.num_hidden_layers
         check_positive_int("dwa_dilation", self.dwa_dilation, layers, "at most num_hidden_layers")
         check_positive_int("dwa_period", self.dwa_period, layers, "at most num_hidden_layers")

@@ -23,10 +23,13 @@ copied next to the model code by ``save_pretrained`` for ``trust_remote_code`` l
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def triton_unavailable(*_args: object) -> bool:
@@ -53,35 +56,47 @@ BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """Pick the implementation: explicit argument, else ``$DEPTHFUSION_BACKEND``, else automatic.
+def resolve_backend(backend: str | None, device: torch.device, config_backend: str | None = None) -> str:
+    """Pick the implementation of the op: the one place that decides.
 
-    Automatic means Triton for CUDA tensors when the kernel imports, PyTorch otherwise.
+    ========================  =====================================================================
+    precedence                where it comes from
+    ========================  =====================================================================
+    1. ``backend``            the op's ``backend=`` argument
+    2. ``$DEPTHFUSION_BACKEND``  the environment variable (an override for a whole process)
+    3. ``config_backend``     the model config's ``op_backend`` field (a model passes it)
+    4. automatic              Triton for CUDA tensors when the kernel imports, else PyTorch
+    ========================  =====================================================================
+
+    A model calls this once per forward pass and device; the choice is logged at DEBUG.
 
     Args:
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
         device: the device of the op's tensors.
+        config_backend: the config's ``op_backend`` (same values), used when neither ``backend`` nor the
+            environment variable is set.
     Returns:
         ``"reference"``, ``"torch"`` or ``"triton"``.
     Raises:
         ValueError: for an unknown name, or ``"triton"`` where the kernel cannot run (no Triton, or
             tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
     """
-    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
+    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR) or config_backend or "auto"
     if not isinstance(choice, str):
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS} or None; got {choice!r}")
     choice = choice.lower()
     if choice == "auto":
         use_triton = device.type == "cuda" and dwa_triton_forward_backward_available()
-        return "triton" if use_triton else "torch"
-    if choice not in BACKENDS:
+        choice = "triton" if use_triton else "torch"
+    elif choice not in BACKENDS:
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
-    if choice == "triton" and not dwa_triton_forward_backward_available():
+    elif choice == "triton" and not dwa_triton_forward_backward_available():
         raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
-    if choice == "triton" and not dwa_triton_runs_on(device):
+    elif choice == "triton" and not dwa_triton_runs_on(device):
         raise ValueError(
             f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
         )
+    logger.debug("%s: backend %r on %s", __name__, choice, device)
     return choice
 
 

@@ -48,8 +48,8 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         vocab_size: ids must lie in ``[0, vocab_size)``.
     Raises:
         ValueError: unless exactly one of the two is given, it has the shape above with at least one
-            token, and (for ids) an integer dtype and every id in range. On CUDA an id out of range fails
-            asynchronously instead: a device-side assertion, raised as a RuntimeError at the next sync.
+            token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
+            which holds no values). On CUDA an id out of range fails asynchronously instead: a device-side assertion, raised as a RuntimeError at the next sync.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -63,6 +63,8 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         return
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
+    if input_ids.device.type == "meta":
+        return  # no values to check: the meta device only sizes and plans models
     out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
     if input_ids.device.type == "cuda":
         # No host sync per forward (it would stall every training and decoding step): the check runs on the
@@ -319,7 +321,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                 device = hidden_states.device
                 sources = [block_outputs[j].to(device) for j in self.dwa.sources[i]]
                 if device not in backends:
-                    backends[device] = resolve_backend(None, device)
+                    backends[device] = resolve_backend(None, device, self.config.op_backend)
                 hidden_states = self.dwa(sources, i, backend=backends[device])
         return hidden_states
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
+OP_BACKENDS = ("auto", "reference", "torch", "triton")
+
 NORM_POSITIONS = ("pre", "post")
 
 
@@ -41,6 +43,14 @@ def check_llama_shapes(config: LlamaConfig) -> None:
         raise ValueError(f"`head_dim` must be an even integer >= 2 (RoPE rotates pairs); got {config.head_dim}")
 
 
+# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_op_backend
+def check_op_backend(config: LlamaConfig) -> None:
+    """Validate ``op_backend``: None or one of ``OP_BACKENDS`` (any case); raise a ValueError naming it."""
+    value = config.op_backend
+    if value is not None and (not isinstance(value, str) or value.lower() not in OP_BACKENDS):
+        raise ValueError(f"`op_backend` must be None or one of {OP_BACKENDS}; got {value!r}")
+
+
 @strict
 class MoDAConfig(LlamaConfig):
     r"""Configuration of a MoDA decoder (Zhu et al., 2026, arXiv 2603.15619).
@@ -60,6 +70,10 @@ class MoDAConfig(LlamaConfig):
             the last ``W`` layers (layer ``l`` reads those of layers ``max(0, l - W) .. l - 1``), so the
             depth cost grows as ``L W`` instead of ``L^2`` (the paper's §6.2 direction). None reads every
             earlier layer (the paper's MoDA). Allowed: None or ``1 <= W <= num_hidden_layers``.
+        op_backend (`str` or None, defaults to None): which implementation of the family's op runs:
+            ``"reference"`` (the paper's loop), ``"torch"`` (vectorised PyTorch), ``"triton"`` (the fused
+            kernel, CUDA), or None / ``"auto"`` (Triton for CUDA tensors when it imports, else PyTorch). An
+            op's ``backend=`` argument and ``$DEPTHFUSION_BACKEND`` take precedence over it.
 
     Example:
         >>> config = MoDAConfig(num_hidden_layers=36, hidden_size=1024, norm_position="post")
@@ -73,6 +87,7 @@ class MoDAConfig(LlamaConfig):
     moda_ffn_kv: bool = True
     norm_position: str = "pre"
     moda_depth_window: int | None = None
+    op_backend: str | None = None
 
     # Copied from depthfusion_hf.models.denseformer.configuration_denseformer.DenseFormerConfig.__post_init__
     def __post_init__(self, **kwargs):
@@ -88,6 +103,7 @@ class MoDAConfig(LlamaConfig):
         changed after construction (e.g. ``config.moda_depth_window = 0``) gets the same error.
         """
         check_llama_shapes(self)
+        check_op_backend(self)
         if not isinstance(self.moda_ffn_kv, bool):
             raise ValueError(f"`moda_ffn_kv` must be a bool (True or False); got {self.moda_ffn_kv!r}")
         if self.norm_position not in NORM_POSITIONS:
