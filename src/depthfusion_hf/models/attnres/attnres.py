@@ -83,7 +83,8 @@ def resolve_backend(backend: str | None, device: torch.device, config_backend: s
     4. automatic              Triton for CUDA tensors when the kernel imports, else PyTorch
     ========================  =====================================================================
 
-    A model calls this once per forward pass and device; the choice is logged at DEBUG.
+    A model calls this once per forward pass and device with ``backend=None``; that choice is logged at DEBUG
+    (an explicit ``backend`` is not logged: ops called with a resolved backend stay silent).
 
     Args:
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
@@ -111,7 +112,8 @@ def resolve_backend(backend: str | None, device: torch.device, config_backend: s
         raise ValueError(
             f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
         )
-    logger.debug("%s: backend %r on %s", __name__, choice, device)
+    if backend is None:
+        logger.debug("%s: backend %r on %s", __name__, choice, device)
     return choice
 
 
