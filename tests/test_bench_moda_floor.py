@@ -1,4 +1,4 @@
-"""``scripts/bench_moda_floor.py``: the depth pool's byte count against hand counts; a toy run's table and record."""
+"""``benchmarks/bench_moda_floor.py``: the depth pool's byte count against hand counts; a toy run's table and record."""
 
 import importlib.util
 import json
@@ -12,7 +12,7 @@ import pytest
 from depthfusion_hf import MoDAConfig
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "bench_moda_floor.py"
+SCRIPT = REPO / "benchmarks" / "bench_moda_floor.py"
 
 
 def _load_script():

@@ -1,4 +1,4 @@
-"""``scripts/plot_benchmarks.py``: plots the committed benchmark records; a missing kind is skipped with a message."""
+"""``benchmarks/plot_benchmarks.py``: plots the committed records; a missing kind is skipped, with a message."""
 
 import importlib.util
 import shutil
@@ -10,7 +10,7 @@ KINDS = ("dwa", "models", "moda_attention")
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("plot_benchmarks", REPO / "scripts" / "plot_benchmarks.py")
+    spec = importlib.util.spec_from_file_location("plot_benchmarks", REPO / "benchmarks" / "plot_benchmarks.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -13,9 +13,9 @@ The paper (arXiv 2603.15619, Table 2: A100, bf16, fwd+bwd, B=1, d=64, Hq=64, Hkv
 97.3% of FlashAttention-2 speed at T=64K; ``--device cuda`` runs that comparison against SDPA's
 flash backend (the ``torch`` path is skipped where its [T, S] probabilities would not fit).
 
-    python scripts/bench_moda_attention.py                              # CPU, fp32, small T
-    python scripts/bench_moda_attention.py --threads 1                  # ... on a shared machine
-    python scripts/bench_moda_attention.py --device cuda --dtype bf16   # T = 4K..64K, Hq=64, Hkv=8
+    python benchmarks/bench_moda_attention.py                              # CPU, fp32, small T
+    python benchmarks/bench_moda_attention.py --threads 1                  # ... on a shared machine
+    python benchmarks/bench_moda_attention.py --device cuda --dtype bf16   # T = 4K..64K, Hq=64, Hkv=8
 
 Results are printed as a markdown table and appended to ``docs/bench/moda_attention.jsonl`` with
 the machine named.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_common import DTYPES, REPO, git_commit, machine_name, peak_memory_bytes
+from harness import DTYPES, REPO, git_commit, machine_name, peak_memory_bytes
 
 from depthfusion_hf.models.moda.moda_attention import moda_attention, moda_triton_available
 

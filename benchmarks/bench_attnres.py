@@ -14,8 +14,8 @@ CUDA the fused kernel's effective bandwidth (bytes the op must move: ``(N + 1) M
 ``(2N + 2) M D`` (fp32) or ``(3N + 1) M D`` (half) more backward). Results are printed as a markdown
 table and appended to ``docs/bench/attnres.jsonl`` with the machine named.
 
-    python scripts/bench_attnres.py --threads 1                 # CPU, fp32
-    python scripts/bench_attnres.py --device cuda --dtype bf16
+    python benchmarks/bench_attnres.py --threads 1                 # CPU, fp32
+    python benchmarks/bench_attnres.py --device cuda --dtype bf16
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_common import DTYPES, REPO, clock, git_commit, machine_name, peak_memory_bytes, sync
+from harness import DTYPES, REPO, clock, git_commit, machine_name, peak_memory_bytes, sync
 
 from depthfusion_hf.models.attnres.attnres import attention_residual, attnres_triton_available
 

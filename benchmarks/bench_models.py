@@ -29,8 +29,8 @@ MoDA train ≤ 1.15×. ``--profile`` prints the top operators of each model's tr
 Llama's, to explain a missed target. ``--compile`` times the train step of ``torch.compile(model)`` (inductor)
 for every model instead (decode stays eager). Results are appended to ``docs/bench/models.jsonl``.
 
-    python scripts/bench_models.py                 # CPU, fp32, 1 thread
-    python scripts/bench_models.py --device cuda --dtype bf16 --batch 16
+    python benchmarks/bench_models.py                 # CPU, fp32, 1 thread
+    python benchmarks/bench_models.py --device cuda --dtype bf16 --batch 16
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import DTYPES, clock, git_commit, load_family_folder, machine_name, peak_memory_bytes, sync  # noqa: E402
+from harness import DTYPES, clock, git_commit, load_family_folder, machine_name, peak_memory_bytes, sync  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import depthfusion_hf  # noqa: E402

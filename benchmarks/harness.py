@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: timers, peak memory, machine name, commit id."""
+"""The shared benchmark harness: clocks, peak memory, machine, commit, another checkout's family folders."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ and ratios against the baseline; ``DWA ms`` is the time above ``none``. On CUDA 
 gives the fused kernel's achieved bandwidth as a fraction of the device's measured copy bandwidth.
 Results are appended to ``docs/bench/dwa.jsonl`` with the machine named.
 
-    python scripts/bench_dwa.py                       # CPU, fp32
-    python scripts/bench_dwa.py --device cuda --dtype bf16
+    python benchmarks/bench_dwa.py                       # CPU, fp32
+    python benchmarks/bench_dwa.py --device cuda --dtype bf16
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_common import DTYPES, REPO, clock, git_commit, machine_name, peak_memory_bytes, sync
+from harness import DTYPES, REPO, clock, git_commit, machine_name, peak_memory_bytes, sync
 
 from depthfusion_hf.models.denseformer.dwa import depth_weighted_average, dwa_triton_forward_backward_available
 

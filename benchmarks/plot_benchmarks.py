@@ -3,11 +3,11 @@
 
 The benchmark scripts append one JSON object per run to
 
-- ``dwa.jsonl``            (``scripts/bench_dwa.py``)            -> ``dwa.png``
-- ``models.jsonl``         (``scripts/bench_models.py``)         -> ``models.png``
-- ``moda_attention.jsonl`` (``scripts/bench_moda_attention.py``) -> ``moda_attention.png``
-- ``moda_stream.jsonl``    (``scripts/bench_models.py``, MoDA variants)  -> ``moda_stream.png``
-- ``moda_layers.jsonl``    (``scripts/bench_models.py`` per ``--layers``) -> ``moda_layers.png``
+- ``dwa.jsonl``            (``benchmarks/bench_dwa.py``)            -> ``dwa.png``
+- ``models.jsonl``         (``benchmarks/bench_models.py``)         -> ``models.png``
+- ``moda_attention.jsonl`` (``benchmarks/bench_moda_attention.py``) -> ``moda_attention.png``
+- ``moda_stream.jsonl``    (``benchmarks/bench_models.py``, MoDA variants)  -> ``moda_stream.png``
+- ``moda_layers.jsonl``    (``benchmarks/bench_models.py`` per ``--layers``) -> ``moda_layers.png``
 
 For each kind this script takes the latest record (or the latest one whose commit starts with
 ``--commit``) and draws:
@@ -30,8 +30,8 @@ Titles name the machine, torch version, commit and date of the record. A kind wh
 missing, empty or has no record for ``--commit`` is skipped with a message on stderr, and the exit
 status is then 1 (the other plots are still written).
 
-    python scripts/plot_benchmarks.py                    # latest records -> docs/bench/*.png
-    python scripts/plot_benchmarks.py --commit f0bde0c --out /tmp/plots
+    python benchmarks/plot_benchmarks.py                    # latest records -> docs/bench/*.png
+    python benchmarks/plot_benchmarks.py --commit f0bde0c --out /tmp/plots
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Issue 10 asks for MoDA train step ≤ 1.15× Llama with the FFN-side K/V (``moda
 (process CPU time, 1 torch thread), the parts of MoDA's extra cost that its design makes unavoidable,
 next to the real models, as ratios of Llama's step:
 
-1. **Llama** (transformers' ``LlamaForCausalLM``): the train step of ``scripts/bench_models.py`` (forward with
+1. **Llama** (transformers' ``LlamaForCausalLM``): the train step of ``benchmarks/bench_models.py`` (forward with
    labels, backward, AdamW step) and a cached one-token decode step (batch 1, ``--cache`` tokens of cache,
    the cache cropped back after each step) — the denominators.
 2. **Projection floor** (``moda`` only): the GEMMs MoDA's FFN-side K/V projection adds, at the model's shapes,
@@ -26,7 +26,7 @@ next to the real models, as ratios of Llama's step:
    **cold** (right after streaming ``--evict-mib`` MiB, several times the last-level cache, through the
    core) and **hot** (read again at once: whatever fits in cache is still there).
 4. **The real models** ``moda`` and ``moda-noffn`` (and the A/A control ``llama-control``) built as in
-   ``scripts/bench_models.py``, in the same interleave: their train step, decode step and ``generate``
+   ``benchmarks/bench_models.py``, in the same interleave: their train step, decode step and ``generate``
    tokens/s (the issue's decode metric).
 5. **The projection in situ**: ``llama+ffnkv``, a Llama whose layers but the last also compute MoDA's FFN-side
    K/V entry (projection, key RoPE, both backward GEMMs, its weights in AdamW) and do nothing else with it:
@@ -44,8 +44,8 @@ whether a target is beyond the strict floor (unreachable on this CPU with this d
 the cold or in-situ floor only, or within all of them. Assumption stated with the results: the parts are
 added, i.e. a single core does not overlap the projection's compute with the depth pool's memory traffic.
 
-    python scripts/bench_moda_floor.py --reps 7                 # the issue's configuration
-    python scripts/bench_moda_floor.py --reps 7 --kv-heads 2    # paper-like GQA, G = 2
+    python benchmarks/bench_moda_floor.py --reps 7                 # the issue's configuration
+    python benchmarks/bench_moda_floor.py --reps 7 --kv-heads 2    # paper-like GQA, G = 2
 
 A JSON record is appended to ``docs/bench/moda_floor.jsonl`` (``--no-save``: none).
 """
@@ -67,7 +67,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_models  # noqa: E402
-from bench_common import clock, git_commit, machine_name  # noqa: E402
+from harness import clock, git_commit, machine_name  # noqa: E402
 
 from depthfusion_hf import MoDAConfig  # noqa: E402
 from depthfusion_hf.models.moda.cost import moda_cost  # noqa: E402
@@ -90,7 +90,7 @@ class Read:
 
 
 def moda_config(args: argparse.Namespace, ffn_kv: bool) -> MoDAConfig:
-    """The MoDA config of ``scripts/bench_models.py`` for these arguments (heads of 64, MHA unless ``--kv-heads``)."""
+    """The MoDA config of ``bench_models.py`` for these arguments (heads of 64, MHA unless ``--kv-heads``)."""
     heads = args.hidden // 64
     return MoDAConfig(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
                       num_attention_heads=heads, num_key_value_heads=args.kv_heads or heads, vocab_size=args.vocab,
@@ -305,7 +305,7 @@ def _median_range(values: list[float]) -> dict[str, float]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line (the model options are those of ``scripts/bench_models.py``)."""
+    """The command line (the model options are those of ``benchmarks/bench_models.py``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64)")
@@ -566,7 +566,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = measure(args)
     print_report(args, results)
     record = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine,
-                  command="python scripts/bench_moda_floor.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  command="python benchmarks/bench_moda_floor.py "
+                  + " ".join(argv if argv is not None else sys.argv[1:]),
                   label=args.label, torch=torch.__version__, commit=git_commit(), args=vars(args), results=results)
     if not args.no_save:
         out = Path(args.out)
