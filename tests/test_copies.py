@@ -4,19 +4,31 @@ and rewrites drifted copies with --fix."""
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from depthfusion_hf.check_copies import (
-    apply_replacements,
-    check_copies,
-    list_markers,
-    main,
-    parse_replacements,
-)
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+CHECKER = REPO / "utils" / "check_copies.py"
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+
+def _load_checker():
+    """``utils/check_copies.py`` (a development tool outside the package), imported from its file."""
+    spec = importlib.util.spec_from_file_location("check_copies", CHECKER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_checker = _load_checker()
+apply_replacements, check_copies, list_markers = (_checker.apply_replacements, _checker.check_copies,
+                                                  _checker.list_markers)
+main, parse_replacements = _checker.main, _checker.parse_replacements
 
 
 def test_every_marked_copy_in_src_matches_its_original():
@@ -24,7 +36,7 @@ def test_every_marked_copy_in_src_matches_its_original():
     assert len(markers) >= 4, "the family folders' copies carry markers; none found means the scan is broken"
     problems = check_copies(SRC)
     report = "\n".join(f"{problem}\n{problem.diff}" for problem in problems)
-    assert not problems, (f"{len(problems)} marked cop(ies) drifted; run `python scripts/check_copies.py --fix`:\n"
+    assert not problems, (f"{len(problems)} marked cop(ies) drifted; run `python utils/check_copies.py --fix`:\n"
                           f"{report}")
 
 
@@ -205,3 +217,18 @@ def test_a_file_that_does_not_parse_is_a_problem_not_a_crash(tmp_path):
     src, copy_path = make_tree(tmp_path, COPY + "\ndef broken(:\n")
     problems = check_copies(src)
     assert len(problems) == 1 and "cannot parse the file" in problems[0].message and problems[0].path == copy_path
+
+
+def test_the_command_runs_from_the_repository_root_and_is_not_in_the_package(tmp_path):
+    """``python utils/check_copies.py`` checks this checkout's src/ by default (exit 0) and exits 1 on a drifted
+    copy elsewhere (``--src``); the runtime package no longer ships the checker."""
+    run = subprocess.run([sys.executable, "utils/check_copies.py"], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0 and "every marked copy matches its original" in run.stdout, run.stdout + run.stderr
+    src, copy_path = make_tree(tmp_path, COPY.replace("    return 2 * x\n", "    return 3 * x\n"))
+    run = subprocess.run([sys.executable, "utils/check_copies.py", "--src", str(src)], cwd=REPO, capture_output=True,
+                         text=True)
+    assert run.returncode == 1 and f"{copy_path}:8" in run.stdout
+    run = subprocess.run([sys.executable, "utils/check_copies.py", "--src", str(tmp_path / "empty")], cwd=REPO,
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "holds no depthfusion_hf/" in run.stderr
+    assert importlib.util.find_spec("depthfusion_hf.check_copies") is None

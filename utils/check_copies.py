@@ -13,8 +13,9 @@ applied, in order, to the original's source before comparing (a marker longer th
 ``  # noqa: E501``, which is not part of them). A copy matches when its source (decorators
 included, dedented, trailing whitespace ignored) equals the original's after replacement.
 
-This is a developer tool (standard library only): ``python scripts/check_copies.py [--fix]`` and
-``tests/test_copies.py`` run it over ``src/``; it never imports the checked code.
+This is a development tool, not part of the package (standard library only): ``python utils/check_copies.py
+[--fix] [--diff]`` from the repository root and ``tests/test_copies.py`` run it over ``src/``; it never imports
+the checked code.
 """
 
 from __future__ import annotations
@@ -237,11 +238,13 @@ def check_copies(src_root: str | Path, fix: bool = False) -> list[Problem]:
 def main(argv: list[str] | None = None) -> int:
     """Command line: exit 1 listing each drifted or unresolvable copy (0 when all match, or all were fixed)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--src", default=str(Path(__file__).resolve().parents[1]),
-                        help="the folder holding depthfusion_hf/ (default: this package's)")
+    parser.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "src"),
+                        help="the folder holding depthfusion_hf/ (default: this checkout's src/)")
     parser.add_argument("--fix", action="store_true", help="rewrite drifted copies from their originals")
     parser.add_argument("--diff", action="store_true", help="print a diff for each drifted copy")
     args = parser.parse_args(argv)
+    if not (Path(args.src) / PACKAGE).is_dir():
+        parser.error(f"--src {args.src} holds no {PACKAGE}/ folder")
     problems = check_copies(args.src, fix=args.fix)
     for problem in problems:
         print(problem)
@@ -266,3 +269,7 @@ __all__ = [
     "main",
     "parse_replacements",
 ]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
