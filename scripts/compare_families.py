@@ -14,12 +14,14 @@ same-seed Llama with a 95 % t-interval and seeds won, at equal steps and at equa
 tokens/s), ``results.json``, ``val_loss_<L>L.png`` (seed bands) and ``delta_vs_depth.png``.
 
 Model specs (``--models``, comma-separated; ``llama`` must be one):
-    llama | denseformer[:KxP] | moda[:no-ffn-kv][+post-norm] | attnres[:full|:blockS]
+    llama | denseformer[:KxP] | moda[:no-ffn-kv][+post-norm] | attnres[:full|:blockN]
     | <any registry family>:field=value+field=value
+(``attnres:blockN``: N blocks, 2L/N sub-layers each; ``attnres:attnres_block_size=S``: blocks of S sub-layers, the
+model the recorded studies wrote ``attnres:block8``; see ``depthfusion_hf.recipes.study.specs``.)
 
 Default invocation (``configs/clm_narrow.json``: width 64, 2 query / 1 KV heads; llama, DenseFormer 1x1 and
-4x5, MoDA, AttnRes block 8; seeds 0 1; 6 and 12 layers; King James Bible, 2,048-token BPE; 200 steps of batch
-8 x 128 tokens, evaluation every 25 steps on 32 validation blocks; 20 runs):
+4x5, MoDA, AttnRes with blocks of 8 sub-layers; seeds 0 1; 6 and 12 layers; King James Bible, 2,048-token BPE;
+200 steps of batch 8 x 128 tokens, evaluation every 25 steps on 32 validation blocks; 20 runs):
     OMP_NUM_THREADS=1 python scripts/compare_families.py
 estimated 25-40 min on the 2-core machine. Measured under load (other jobs running, load average 6-8 on the
 2 cores; 20-step probe runs): training s/step at 6 layers 0.17-0.31 (all five models), at 12 layers
@@ -60,16 +62,11 @@ from pathlib import Path
 import torch
 
 from depthfusion_hf.recipes.clm import TrainSettings, load_arch
-from depthfusion_hf.recipes.study import (
-    DEFAULT_MODELS,
-    RunStore,
-    compare_summary,
-    compare_tables,
-    parse_model_list,
-    prepare_study_data,
-    run_compare_grid,
-    spec_syntax,
-)
+from depthfusion_hf.recipes.study.data import prepare_study_data
+from depthfusion_hf.recipes.study.grids import run_compare_grid
+from depthfusion_hf.recipes.study.specs import DEFAULT_MODELS, parse_model_list, spec_syntax
+from depthfusion_hf.recipes.study.store import RunStore
+from depthfusion_hf.recipes.study.tables import compare_summary, compare_tables
 
 REPO = Path(__file__).resolve().parent.parent
 # The main study: (dataset, depths) stages, each in its own sub-folder; seeds 0 1 2.
@@ -111,7 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no_plots", action="store_true")
     args = p.parse_args(argv)
     try:
-        args.specs = parse_model_list(args.models)
+        args.specs = parse_model_list(args.models, sorted({d for _, ds in STUDY_STAGES for d in ds}) if args.study
+                                      else args.layers)
     except ValueError as error:
         p.error(str(error))
     for name in ("max_steps", "eval_steps", "batch_size"):

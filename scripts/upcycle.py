@@ -20,8 +20,8 @@ loss of every run is reported next to it, never used to choose. Every finished r
 ``continued_val_loss.png`` (chosen scales, seed bands).
 
 Default (``configs/clm_narrow.json`` at 12 layers, King James Bible, 200 pre-training steps, then 200 steps for
-llama, DenseFormer 1x1 and 4x5, MoDA and AttnRes block 8 at new-parameter lr scales 1 and 10, seeds 0 1 2:
-1 + 3 x (1 + 4 x 2) = 28 runs of 200 steps):
+llama, DenseFormer 1x1 and 4x5, MoDA and AttnRes with blocks of 8 sub-layers at new-parameter lr scales 1 and 10,
+seeds 0 1 2: 1 + 3 x (1 + 4 x 2) = 28 runs of 200 steps):
     OMP_NUM_THREADS=1 nice -n 10 python scripts/upcycle.py --output_dir outputs/upcycle
 estimated 45-60 min on the 2-core machine: 29 runs x 200 steps at 0.22-0.63 s/step (12 layers, width 64, batch
 8 x 128; measured while other jobs loaded the 2 cores, mean about 0.45), plus about 7 % for the evaluations;
@@ -44,17 +44,11 @@ import torch
 from transformers import AutoTokenizer, set_seed
 
 from depthfusion_hf.recipes.clm import BASELINE, TrainSettings, build_model, load_arch, train_one
-from depthfusion_hf.recipes.study import (
-    DEFAULT_MODELS,
-    RunStore,
-    best_scales,
-    continuation_summary,
-    continuation_tables,
-    parse_model_list,
-    prepare_study_data,
-    run_continuations,
-    spec_syntax,
-)
+from depthfusion_hf.recipes.study.data import prepare_study_data
+from depthfusion_hf.recipes.study.grids import run_continuations
+from depthfusion_hf.recipes.study.specs import DEFAULT_MODELS, parse_model_list, spec_syntax
+from depthfusion_hf.recipes.study.store import RunStore
+from depthfusion_hf.recipes.study.tables import best_scales, continuation_summary, continuation_tables
 from depthfusion_hf.safe_folder import check_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no_plots", action="store_true")
     args = p.parse_args(argv)
     try:
-        args.specs = parse_model_list(args.models)
+        args.specs = parse_model_list(args.models, [] if args.init_from else [args.layers])
     except ValueError as error:
         p.error(str(error))
     args.max_steps = args.max_steps if args.max_steps is not None else args.pretrain_steps

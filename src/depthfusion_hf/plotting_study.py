@@ -1,4 +1,4 @@
-"""Figures of the family studies (``recipes/study.py``): validation loss against steps with seed bands, and the
+"""Figures of the family studies (``recipes/study/``): validation loss against steps with seed bands, and the
 paired final Δ-loss against depth per family."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from .recipes.study import compare_summary, model_order
+from .recipes.study.tables import compare_summary, model_order
 
 
 def _pyplot():

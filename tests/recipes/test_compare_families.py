@@ -14,16 +14,16 @@ import torch
 
 from depthfusion_hf.data import plays
 from depthfusion_hf.data.corpus import load_documents, load_kjv_chapters
-from depthfusion_hf.recipes.study import (
-    RunStore,
-    SettingsMismatch,
-    interpolate_curve,
-    mean_std,
-    paired_summary,
+from depthfusion_hf.recipes.study.grids import build_seeded_pair
+from depthfusion_hf.recipes.study.specs import (
+    DEFAULT_MODELS,
+    legacy_spec_texts,
     parse_model_list,
     parse_model_spec,
-    t_quantile_975,
+    read_legacy_names,
 )
+from depthfusion_hf.recipes.study.stats import interpolate_curve, mean_std, paired_summary, t_quantile_975
+from depthfusion_hf.recipes.study.store import RunStore, SettingsMismatch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,9 @@ def load_script(name: str):
 def test_model_specs_are_read_from_the_registry():
     assert parse_model_spec("denseformer:4x5").fields == {"dwa_dilation": 4, "dwa_period": 5}
     assert parse_model_spec("denseformer").fields == {}
-    assert parse_model_spec("attnres:block8").fields == {"attnres_block_size": 8}
+    assert parse_model_spec("attnres:block8").fields_at(12) == {"attnres_block_size": 3}  # 8 blocks of 3 sub-layers
+    assert parse_model_spec("attnres:block8").fields_at(24) == {"attnres_block_size": 6}
+    assert parse_model_spec("attnres:attnres_block_size=8").fields_at(6) == {"attnres_block_size": 8}
     assert parse_model_spec("attnres:full").fields == {"attnres_block_size": None}
     assert parse_model_spec("moda:no-ffn-kv+post-norm").fields == {"moda_ffn_kv": False, "norm_position": "post"}
     generic = parse_model_spec("denseformer:dwa_dilation=2+dwa_period=3")
@@ -51,8 +53,6 @@ def test_model_specs_are_read_from_the_registry():
     assert parse_model_spec("llama").is_baseline
     # an option of the registry's from_llama (MoDA's FFN-side K/V init) is accepted, for upcycling only
     assert parse_model_spec("moda:ffn_kv_init=copy_kv").fields == {"ffn_kv_init": "copy_kv"}
-    from depthfusion_hf.recipes.study import build_seeded_pair
-
     with pytest.raises(ValueError, match=r"\['ffn_kv_init'\] apply to upcycling only"):
         build_seeded_pair(parse_model_spec("moda:ffn_kv_init=copy_kv"), {"hidden_size": 32}, 2, 0, None)
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -67,6 +67,53 @@ def test_model_specs_are_read_from_the_registry():
         parse_model_list("denseformer:1x1,moda")
     with pytest.raises(ValueError, match="more than once"):
         parse_model_list("llama,moda,moda")
+
+
+def test_attnres_block_n_means_n_blocks_at_every_depth():
+    """``attnres:blockN`` is the paper's N blocks (as in bench_models.py and configs/attnres_paper_24l_block8.json):
+    2L / N sub-layers per block; a depth whose sub-layers do not form N equal blocks is refused, naming the counts
+    that do."""
+    paper = json.loads((REPO / "configs" / "attnres_paper_24l_block8.json").read_text())
+    fields = parse_model_spec("attnres:block8").fields_at(paper["num_hidden_layers"])
+    assert fields == {"attnres_block_size": paper["attnres_block_size"]}
+    spec = parse_model_spec("attnres:block8")
+    with pytest.raises(ValueError, match=r"12 sub-layers do not form 8 equal blocks.*\[1, 2, 3, 4, 6, 12\]"):
+        spec.fields_at(6)
+    with pytest.raises(ValueError, match="do not form 8 equal blocks"):
+        parse_model_list("llama,attnres:block8", layers=[6, 12])  # checked for every requested depth, before work
+    assert [s.text for s in parse_model_list("llama,attnres:block8", layers=[12, 24])] == ["llama", "attnres:block8"]
+    parse_model_list(DEFAULT_MODELS, layers=[6, 12, 24])  # the default models exist at the study's depths
+    model, _ = build_seeded_pair(spec, {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                                        "num_key_value_heads": 1, "vocab_size": 64}, 4, seed=0, tokenizer=None)
+    assert (model.config.attnres_block_size, model.config.num_blocks) == (1, 8)
+
+
+def test_runs_stored_under_the_old_attnres_names_are_read_and_resumed(tmp_path):
+    """Before SPEC_NAMES 2 the studies wrote ``attnres:blockS`` for blocks of S sub-layers: such a run is read as
+    ``attnres:attnres_block_size=S`` and resumed under that name; the same old key is refused to the new meaning
+    (storing the new ``attnres:block8`` there would replace the old run)."""
+    store = RunStore(tmp_path, {"max_steps": 10})
+    old_key = RunStore.key(model="attnres:block8", layers=12, seed=0)
+    old = {"spec": "attnres:block8", "fields": {"attnres_block_size": 8}, "layers": 12, "seed": 0, "eval_loss": 5.0,
+           "key": old_key, "settings": store.settings}  # as stored before: no spec_names
+    store.runs_dir.mkdir(parents=True)
+    store.path(old_key).write_text(json.dumps(old))
+    assert read_legacy_names(old)["spec"] == "attnres:attnres_block_size=8"
+    assert legacy_spec_texts("attnres:attnres_block_size=8") == ["attnres:block8"]
+    [record] = store.records()
+    assert (record["spec"], record["spec_as_stored"], record["eval_loss"]) == (
+        "attnres:attnres_block_size=8", "attnres:block8", 5.0)
+    key, found = store.find("attnres:attnres_block_size=8", layers=12, seed=0)
+    assert key == old_key and found["eval_loss"] == 5.0
+    with pytest.raises(SettingsMismatch, match="now names another model"):
+        store.find("attnres:block8", layers=12, seed=0)
+    assert store.find("attnres:attnres_block_size=8", layers=6, seed=0) == (
+        RunStore.key(model="attnres:attnres_block_size=8", layers=6, seed=0), None)
+    # a run stored today carries the names' version and is read as written
+    new_key, _ = store.find("attnres:block8", layers=24, seed=0)
+    store.put(new_key, {"spec": "attnres:block8", "fields": {"attnres_block_size": 6}, "eval_loss": 4.0})
+    assert store.find("attnres:block8", layers=24, seed=0)[1]["spec"] == "attnres:block8"
+    assert store.path(old_key).read_text() == json.dumps(old)  # the old file is never rewritten
 
 
 # --- statistics by hand -----------------------------------------------------------------------------
@@ -256,8 +303,6 @@ def test_compare_families_runs_resumes_and_reports(tmp_path, monkeypatch, capsys
 
 @pytest.mark.parametrize("text", ["denseformer:1x1", "denseformer:2x2", "moda", "attnres:block2", "attnres:full"])
 def test_same_seed_family_model_starts_from_the_llama_weights(text):
-    from depthfusion_hf.recipes.study import build_seeded_pair
-
     arch = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
             "vocab_size": 64, "tie_word_embeddings": True}
     llama, _ = build_seeded_pair(parse_model_spec("llama"), arch, 3, seed=7, tokenizer=None)

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 from depthfusion_hf.convert import llama_to_denseformer
 from depthfusion_hf.data.corpus import load_kjv_chapters
 from depthfusion_hf.recipes.clm import DepthFusionTrainer, new_parameter_names
-from depthfusion_hf.recipes.study import best_scales
+from depthfusion_hf.recipes.study.tables import best_scales
 
 from .test_compare_families import load_script
 

@@ -1,0 +1,116 @@
+"""The run store: one JSON file per finished run, written atomically; a rerun skips the runs it finds and refuses a
+folder whose runs used other settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .specs import SPEC_NAMES, legacy_spec_texts, read_legacy_names
+
+
+def _flatten(settings: dict, prefix: str = "") -> dict:
+    """``{"train": {"max_steps": 6}}`` -> ``{"train.max_steps": 6}``."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class SettingsMismatch(ValueError):
+    """A study folder holds runs made with other settings; mixing them would compare unlike runs."""
+
+
+class RunStore:
+    """Finished runs of a study, one JSON file each under ``<folder>/runs/``.
+
+    A run file is written (to a temporary name, then renamed) only when its run has finished, so an
+    interrupted study leaves only complete runs; a rerun skips every run whose key it finds. Every run
+    stores the study's ``settings``; a store refuses to add to or read runs with other settings
+    (:class:`SettingsMismatch`), so a changed command never mixes its runs with the old ones silently.
+    Runs are read in today's model names (:func:`~.specs.read_legacy_names`); the files are never rewritten.
+    """
+
+    def __init__(self, folder: str | os.PathLike, settings: dict):
+        self.folder = Path(folder)
+        self.runs_dir = self.folder / "runs"
+        self.settings = json.loads(json.dumps(settings, default=str))  # as it will read back
+
+    @staticmethod
+    def key(**parts: Any) -> str:
+        """A file-name-safe key from the run's identifying parts (spec, layers, seed, ...)."""
+        text = "-".join(f"{name}={parts[name]}" for name in sorted(parts))
+        return re.sub(r"[^A-Za-z0-9=.+_-]", "_", text)
+
+    def path(self, key: str) -> Path:
+        """Where the run ``key`` is stored."""
+        return self.runs_dir / f"{key}.json"
+
+    def _check(self, record: dict, path: Path) -> dict:
+        if record.get("settings") != self.settings:
+            theirs, ours = _flatten(record.get("settings") or {}), _flatten(self.settings)
+            diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+            raise SettingsMismatch(f"{path} was made with other settings (differing: {diff}); use another "
+                                   "output folder, or the same command as the stored runs")
+        return read_legacy_names(record)
+
+    def get(self, key: str) -> dict | None:
+        """The stored run ``key`` or ``None``; :class:`SettingsMismatch` when it used other settings."""
+        path = self.path(key)
+        if not path.exists():
+            return None
+        return self._check(json.loads(path.read_text(encoding="utf-8")), path)
+
+    def find(self, spec: str, **parts: Any) -> tuple[str, dict | None]:
+        """The key and stored run of model ``spec`` at ``parts`` (layers, seed, ...), or the key to store it under
+        and ``None``. A run stored under an earlier name of ``spec`` (:func:`~.specs.legacy_spec_texts`) is found.
+
+        Raises:
+            SettingsMismatch: the run used other settings, or the file of ``spec``'s key holds a run that was
+                stored under the same name with an earlier meaning (storing the new run would replace it).
+        """
+        key = self.key(model=spec, **parts)
+        record = self.get(key)
+        if record is not None:
+            if record["spec"] != spec:
+                raise SettingsMismatch(
+                    f"{self.path(key)} holds {record['spec_as_stored']!r} in the names before SPEC_NAMES "
+                    f"{SPEC_NAMES}: today {record['spec']!r}, while {spec!r} now names another model (see "
+                    "depthfusion_hf.recipes.study.specs); ask for that name to resume it, or use another output "
+                    "folder for the new model")
+            return key, record
+        for old in legacy_spec_texts(spec):
+            old_key = self.key(model=old, **parts)
+            old_record = self.get(old_key)
+            if old_record is not None and old_record["spec"] == spec:
+                return old_key, old_record
+        return key, None
+
+    def put(self, key: str, record: dict) -> Path:
+        """Store a finished run (with the study's settings and :data:`~.specs.SPEC_NAMES`) atomically; returns its
+        file."""
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        record = dict(record, key=key, settings=self.settings, spec_names=SPEC_NAMES)
+        path = self.path(key)
+        handle, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.runs_dir)
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(record, out, indent=1, default=str)
+        os.replace(tmp, path)
+        return path
+
+    def records(self) -> list[dict]:
+        """Every stored run (sorted by key); :class:`SettingsMismatch` if one used other settings."""
+        if not self.runs_dir.is_dir():
+            return []
+        paths = sorted(self.runs_dir.glob("*.json"))
+        return [self._check(json.loads(p.read_text(encoding="utf-8")), p) for p in paths]
+
+
+__all__ = ["RunStore", "SettingsMismatch"]
