@@ -7,7 +7,6 @@ Most cases use ``write_folder`` with a tiny writer (the rules live there); the m
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -134,7 +133,7 @@ def test_overwrite_writes_beside_foreign_entries_and_never_replaces_a_foreign_fi
     assert {k: v for k, v in _tree(target).items() if k in foreign} == foreign  # every foreign file kept as it was
     assert (target / "a.txt").read_text() == "1" and read_marker(target)["files"] == ["a.txt"]
     before = _tree(target)
-    with pytest.raises(ExportTargetError, match=r"with the names of files the export writes: notes.txt"):
+    with pytest.raises(ExportTargetError, match=r"with the names of files the export writes.*: notes.txt"):
         write_folder(target, _writer({"a.txt": "2", "notes.txt": "clobber"}), overwrite=True)
     assert _tree(target) == before and _hidden_siblings(target) == []
 
@@ -203,26 +202,28 @@ def test_check_target_fails_before_any_work(tmp_path):
 
 
 def test_stale_staging_of_dead_processes_is_cleaned_and_nothing_else(tmp_path):
+    from depthfusion_hf.safe_folder import _new_staging
+
     target = write_folder(tmp_path / "out", _writer({"a.txt": "1"}))
     dead, alive = _dead_pid(), os.getppid()
 
-    def staging(name: str, marked: bool) -> Path:
-        folder = tmp_path / name
-        folder.mkdir()
+    def staging(for_target: Path, pid: int, marked: bool) -> Path:
+        if marked:  # made as the export makes it (the marker records the folder's own identity)
+            folder = _new_staging(for_target, pid=pid)
+        else:
+            folder = tmp_path / f".{for_target.name}.tmp-{pid}-def67890"
+            folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"half")
-        if marked:
-            (folder / MARKER).write_text(json.dumps({"written_by": "depthfusion-hf", "files": []}))
         return folder
 
-    stale = staging(f".out.tmp-{dead}-abc12345", marked=True)
-    unmarked = staging(f".out.tmp-{dead}-def67890", marked=False)
-    live = staging(f".out.tmp-{alive}-ghi13579", marked=True)
-    other_name = staging(f".other.tmp-{dead}-jkl24680", marked=True)
+    stale = staging(target, dead, marked=True)
+    unmarked = staging(target, dead, marked=False)
+    live = staging(target, alive, marked=True)
+    other_name = staging(tmp_path / "other", dead, marked=True)
+    old_export = write_folder(tmp_path / "old", _writer({"a.txt": "old export file"}))
     backup = tmp_path / f".out.old-{dead}-mno11223"
-    backup.mkdir()
-    (backup / "a.txt").write_text("old export file")
+    os.replace(old_export, backup)  # a process that died between its two renames leaves the old export here
     (backup / "user.txt").write_text("written by the user into the backup")
-    (backup / MARKER).write_text(json.dumps({"written_by": "depthfusion-hf", "files": ["a.txt"]}))
 
     with pytest.warns(UserWarning, match="did not write"):
         write_folder(target, _writer({"a.txt": "2"}))
