@@ -13,30 +13,28 @@ as the identity (``alpha[i, i] = 1``), which makes the DenseFormer *equal* to th
 The DWA is per token, so cached decoding needs no cache beyond the ordinary KV cache.
 """
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaPreTrainedModel,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_denseformer import DenseFormerConfig
-from .dwa import depth_weighted_average, dwa_with_backend, resolve_backend
+from .dwa import depth_weighted_average, resolve_backend
 
 
 def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
@@ -155,15 +153,12 @@ class DenseFormerDWA(nn.Module):
         Args:
             sources: the block outputs ``X_j`` for ``j`` in ``S(step)``, in that order, each [B, T, D].
             step: the block index ``i`` (``p | i``).
-            backend: a backend already resolved by :func:`resolve_backend` (the model resolves it once
-                per forward and skips the op's input checks, which cost as much as the op when decoding);
-                None validates and resolves like the public op.
+            backend: the backend the model resolved once for this forward (:func:`resolve_backend`); None
+                resolves it here.
         Returns:
             ``Y_step``: [B, T, D].
         """
-        if backend is None:
-            return depth_weighted_average(sources, self.step_weights(step))
-        return dwa_with_backend(sources, self.step_weights(step), backend)
+        return depth_weighted_average(sources, self.step_weights(step), backend=backend)
 
     def identity_alphas(self, total: int | None = None) -> torch.Tensor:
         """The initial weights: ``alpha[i, i] = 1`` and 0 elsewhere (the DenseFormer is a plain transformer)."""
@@ -201,18 +196,13 @@ class DenseFormerDecoderLayer(LlamaDecoderLayer):
     """A Llama decoder block, unchanged (named for ``_no_split_modules`` and output capture)."""
 
 
-class DenseFormerPreTrainedModel(PreTrainedModel):
-    """Weight initialisation and the transformers capabilities shared by DenseFormer models."""
+class DenseFormerPreTrainedModel(LlamaPreTrainedModel):
+    """Weight initialisation and the transformers capabilities shared by DenseFormer models (Llama's, plus the
+    identity DWA)."""
 
     config: DenseFormerConfig
     config_class = DenseFormerConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["DenseFormerDecoderLayer"]
-    _supports_flash_attn = True
-    _supports_sdpa = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
     _can_compile_fullgraph = False
     _can_record_outputs = {
         "hidden_states": DenseFormerDecoderLayer,
@@ -326,8 +316,11 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         return hidden_states
 
 
-class DenseFormerForCausalLM(DenseFormerPreTrainedModel, GenerationMixin):
+class DenseFormerForCausalLM(DenseFormerPreTrainedModel, LlamaForCausalLM):
     """DenseFormer with a language-modelling head; works with ``generate()`` and the transformers cache.
+
+    ``forward``, the embedding accessors and the tied-weight, tensor- and pipeline-parallel plans are
+    ``LlamaForCausalLM``'s.
 
     Example:
         >>> from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM
@@ -337,69 +330,18 @@ class DenseFormerForCausalLM(DenseFormerPreTrainedModel, GenerationMixin):
         torch.Size([4, 5])
     """
 
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
-    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
-
     def __init__(self, config: DenseFormerConfig):
-        super().__init__(config)
+        # Past LlamaForCausalLM.__init__ (which builds a LlamaModel) to the pretrained-model base; the config is
+        # checked by DenseFormerModel's (DenseFormerPreTrainedModel's) __init__.
+        super(LlamaForCausalLM, self).__init__(config)
         self.model = DenseFormerModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
-
     def dwa_weights(self) -> torch.Tensor:
         """The learned DWA weights as a dense [d, d + 1] matrix (0 where not connected)."""
         return self.model.dwa_weights()
-
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
-        """Next-token logits [B, T, V] (and the shifted cross-entropy loss when ``labels`` [B, T] are given)."""
-        outputs: BaseModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
 
 
 __all__ = [
