@@ -1,22 +1,46 @@
-"""The shared benchmark harness: clocks, peak memory, machine, commit, another checkout's family folders."""
+"""The harness every benchmark script uses: one clock, interleaved repeats, paired ratios, peak memory, records.
+
+- **Clock** (:func:`clock`): process CPU time on CPU (steady when other jobs share the cores), wall time on CUDA
+  (with a synchronisation around each timed call).
+- **Interleaved repeats** (:func:`interleave`): repeat i times every candidate once, back to back, the order
+  reversed every other repeat, so machine load and cache state hit all candidates alike.
+- **Paired ratios** (:func:`paired`): repeat i of a candidate ÷ repeat i of the baseline; the verdicts use the
+  median of these ratios, reported with their [min, max] (:class:`Spread`).
+- **Peak memory** (:func:`peak_memory_bytes`): bytes allocated during one call above what was allocated before.
+- **Records** (:func:`record_header`, :func:`append_record`): one JSON object per run appended to a
+  ``docs/bench/*.jsonl`` file, naming the machine, its load, torch, the commit and the command.
+- **Another checkout** (:func:`load_family_folder`, :func:`load_before_families`): a self-contained
+  ``models/<family>`` folder of an older checkout imported under another package name (``moda_before``), so old
+  and new code run interleaved in one process.
+"""
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+BENCH_DIR = REPO / "docs" / "bench"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Clocks and repeats
+# ---------------------------------------------------------------------------------------------------
 
 
 def sync(device: torch.device) -> None:
@@ -28,6 +52,82 @@ def sync(device: torch.device) -> None:
 def clock(device: torch.device) -> Callable[[], float]:
     """The timer: process CPU time on CPU (steady when other jobs share the cores), wall time on CUDA."""
     return time.process_time if device.type == "cpu" else time.perf_counter
+
+
+def clock_name(device: torch.device) -> str:
+    """``"process CPU time"`` or ``"wall time"`` (what :func:`clock` measures, for tables and records)."""
+    return "process CPU time" if device.type == "cpu" else "wall time"
+
+
+def time_call(call: Callable[[], object], device: torch.device) -> float:
+    """Seconds one ``call()`` takes by :func:`clock` (CUDA work finished before and after)."""
+    now = clock(device)
+    sync(device)
+    start = now()
+    call()
+    sync(device)
+    return now() - start
+
+
+def interleave(calls: Mapping[str, Callable[[], object]], reps: int, device: torch.device,
+               warmup: int = 1) -> dict[str, list[float]]:
+    """Time every call ``reps`` times, interleaved: repeat i runs each call once, the order reversed every other
+    repeat. ``warmup`` untimed rounds run first. Returns the seconds of each call per repeat, in repeat order."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1; got {reps}")
+    names = list(calls)
+    for _ in range(warmup):
+        for name in names:
+            calls[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else reversed(names)):
+            times[name].append(time_call(calls[name], device))
+    return times
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of a list of values with its extremes (``values`` in repeat order)."""
+
+    median: float
+    min: float
+    max: float
+    values: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        """The spread of ``values`` (at least one)."""
+        values = tuple(float(v) for v in values)
+        if not values:
+            raise ValueError("a spread needs at least one value")
+        return cls(statistics.median(values), min(values), max(values), values)
+
+    def text(self, digits: int = 3) -> str:
+        """``"1.071 [1.050, 1.093]"``."""
+        return f"{self.median:.{digits}f} [{self.min:.{digits}f}, {self.max:.{digits}f}]"
+
+    def as_record(self) -> dict:
+        """JSON-ready fields."""
+        return dict(asdict(self), values=list(self.values))
+
+
+def paired(values: Sequence[float], base: Sequence[float]) -> Spread:
+    """Paired ratios ``values[i] / base[i]`` (repeat i of a candidate ÷ repeat i of the baseline, measured back to
+    back) and their spread."""
+    if len(values) != len(base) or not values:
+        raise ValueError(f"paired ratios need equal, non-empty lists; got {len(values)} and {len(base)} values")
+    return Spread.of([v / b for v, b in zip(values, base)])
+
+
+def meets(value: float, bound: float, higher_is_better: bool) -> bool:
+    """Whether a ratio meets its bound (``>=`` for speeds, ``<=`` for times and memory)."""
+    return value >= bound if higher_is_better else value <= bound
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------
 
 
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
@@ -61,6 +161,11 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
     return peak
 
 
+# ---------------------------------------------------------------------------------------------------
+# The machine and the record
+# ---------------------------------------------------------------------------------------------------
+
+
 def machine_name(device: torch.device) -> str:
     """e.g. ``"NVIDIA H100 80GB HBM3 @ host"`` or ``"AMD EPYC (2 threads) @ host"``."""
     if device.type == "cuda":
@@ -76,26 +181,95 @@ def machine_name(device: torch.device) -> str:
     return f"{name} @ {platform.node()}"
 
 
-def git_commit() -> str:
-    """The short commit id of the checkout, or ``"unknown"``."""
+def machine_load() -> dict:
+    """The 1-minute load average and the CPU count (the machine is shared: every record says how loaded it was)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
+    return dict(load_1min=round(load, 2), cpus=os.cpu_count())
+
+
+def git_commit(repo: Path = REPO) -> str:
+    """The short commit id of the checkout at ``repo``, or ``"unknown"``."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
                               check=True).stdout.strip()
     except Exception:
         return "unknown"
 
 
-def load_family_folder(folder: Path, family: str, name: str):
+def record_header(device: torch.device, argv: Sequence[str] | None = None, label: str = "") -> dict:
+    """What every record starts with: date, machine, load, torch, commit, the command, a free-text label."""
+    argv = sys.argv if argv is None else [sys.argv[0], *argv]
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine_name(device),
+                load=machine_load(), torch=torch.__version__, commit=git_commit(), device=str(device),
+                command="python " + " ".join(argv), label=label)
+
+
+def append_record(path: str | os.PathLike, record: dict) -> Path:
+    """Append ``record`` as one JSON line to ``path`` (its folder created if needed); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+    return path
+
+
+def print_header(script: str, device: torch.device, details: str) -> None:
+    """The first lines of every benchmark's output: machine, load, torch, commit, clock, then ``details``."""
+    load = machine_load()
+    print(f"# {script}  machine: {machine_name(device)}  load {load['load_1min']} on {load['cpus']} CPUs  "
+          f"torch {torch.__version__}  commit {git_commit()}  clock: {clock_name(device)}")
+    print(f"# {details}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Another checkout's family folders
+# ---------------------------------------------------------------------------------------------------
+
+
+def family_folder(checkout: Path, family: str) -> Path:
+    """``checkout/src/depthfusion_hf/models/<family>``; when ``checkout`` is itself a family folder (it holds an
+    ``__init__.py``), the folder ``<family>`` beside it (itself when it is that family's)."""
+    checkout = Path(checkout)
+    if (checkout / "__init__.py").is_file():
+        return checkout.parent / family
+    return checkout / "src" / "depthfusion_hf" / "models" / family
+
+
+def load_family_folder(folder: Path, family: str, name: str) -> ModuleType:
     """Import a self-contained ``models/<family>`` folder (e.g. of an older checkout) as the package ``name``.
 
     ``folder`` is the family folder itself or a checkout (its ``src/depthfusion_hf/models/<family>`` is used),
     so an old and a new version of the same family can be timed side by side in one process.
+
+    Raises:
+        FileNotFoundError: the folder has no ``__init__.py``.
     """
-    if (folder / "src").is_dir():
-        folder = folder / "src" / "depthfusion_hf" / "models" / family
+    folder = family_folder(folder, family)
+    if not (folder / "__init__.py").is_file():
+        raise FileNotFoundError(f"{folder} holds no family package (no __init__.py)")
     spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module
+
+
+def load_before_families(checkout: Path, families: Sequence[str]) -> dict[str, ModuleType]:
+    """Each of ``families`` from ``checkout``, imported as ``<family>_before``; a family the checkout does not have
+    is left out (with a line on stdout saying so)."""
+    loaded = {}
+    for family in families:
+        folder = family_folder(checkout, family)
+        if not (folder / "__init__.py").is_file():
+            print(f"# --before {checkout}: no {family} folder ({folder}); no {family} -before models")
+            continue
+        loaded[family] = load_family_folder(folder, family, f"{family}_before")
+    return loaded
