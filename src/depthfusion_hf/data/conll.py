@@ -13,6 +13,7 @@ from pathlib import Path
 from .textfile import DataFormatError, read_text
 
 _TAG = re.compile(r"^(O|[BI]-\S+)$")
+_SPACES = re.compile(" +")
 
 
 class ConllFormatError(DataFormatError):
@@ -37,19 +38,38 @@ def to_iob2(tags: list[str]) -> list[str]:
     return out
 
 
+def _columns(line: str) -> list[str]:
+    """A line's columns: split on tabs when it has one, else on runs of ASCII spaces.
+
+    Never on other whitespace: a token may hold a no-break space, a thin space, an ideographic space...
+    (``str.split()`` would cut it in two). Spaces around a column and tabs at the end of the line are not part
+    of any column (a tab at the start leaves an empty first column).
+    """
+    line = line.rstrip(" \t")
+    columns = line.split("\t") if "\t" in line else _SPACES.split(line.lstrip(" "))
+    return [column.strip(" ") for column in columns]
+
+
 def read_conll(path: str | Path, token_column: int = 0, tag_column: int = -1) -> list[dict[str, list[str]]]:
     """Read sentences from a CoNLL/IOB file.
 
-    Columns are split on tabs when the line has one, else on whitespace; the token is column
-    ``token_column`` and the tag column ``tag_column`` (default: first and last, which fits both the
-    two-column WNUT format and CoNLL-03's four columns). ``-DOCSTART-`` lines are skipped. The file is
-    UTF-8, with or without a byte-order mark, with Unix or Windows line ends (see ``read_text``).
+    Columns are split on tabs when the line has one, else on runs of ASCII spaces (never on other
+    whitespace: a token holding a no-break space stays one token); the token is column ``token_column``
+    and the tag column ``tag_column`` (default: first and last, which fits both the two-column WNUT format
+    and CoNLL-03's four columns). A line holding only whitespace (of any kind) ends a sentence.
+    ``-DOCSTART-`` lines are skipped. The file is UTF-8, with or without a byte-order mark, with Unix or
+    Windows line ends (see ``read_text``).
 
     Raises:
-        FileNotFoundError: the file does not exist.
-        ConllFormatError: bytes that are not UTF-8, a line with fewer than two columns, an empty token, or
-            a tag that is not ``O`` / ``B-<type>`` / ``I-<type>``; the message names the file and the 1-based line.
+        FileNotFoundError / IsADirectoryError: the path is missing or a folder (named as such).
+        ValueError: ``token_column`` and ``tag_column`` are not integers or name the same column.
+        ConllFormatError: bytes that are not UTF-8, a line with fewer than two columns or without the columns
+            asked for, an empty token, or a tag that is not ``O`` / ``B-<type>`` / ``I-<type>``; the message
+            names the file and the 1-based line.
     """
+    for name, value in (("token_column", token_column), ("tag_column", tag_column)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer column index; got {value!r}")
     path = Path(path)
     sentences: list[dict[str, list[str]]] = []
     tokens: list[str] = []
@@ -69,13 +89,20 @@ def read_conll(path: str | Path, token_column: int = 0, tag_column: int = -1) ->
         if not line.strip():
             flush()
             continue
-        columns = line.split("\t") if "\t" in line else line.split()
+        columns = _columns(line)
         if columns[0].startswith("-DOCSTART-"):
             flush()
             continue
         if len(columns) < 2:
             raise ConllFormatError(path, number, f"expected a token and a tag separated by a tab, got {line!r}")
-        token, tag = columns[token_column].strip(), columns[tag_column].strip()
+        try:
+            token, tag = columns[token_column], columns[tag_column]
+        except IndexError:
+            raise ConllFormatError(path, number, f"the line has {len(columns)} columns; token_column={token_column} "
+                                   f"and tag_column={tag_column} do not both exist in {line!r}") from None
+        if token_column % len(columns) == tag_column % len(columns):
+            raise ValueError(f"token_column={token_column} and tag_column={tag_column} are the same column of "
+                             f"{path}:{number}")
         if not token:
             raise ConllFormatError(path, number, f"empty token in {line!r}")
         if not _TAG.match(tag):

@@ -12,9 +12,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .textfile import DataFormatError, read_text
+from .documents import is_blank, read_json_documents, read_local_file, read_text_documents
 
 BUILTIN_CORPUS = "kjv"
+MIN_BPE_VOCAB = 258  # byte-level BPE: the 256 byte symbols and the 2 special tokens
 
 
 def kjv_path() -> Path:
@@ -42,75 +43,6 @@ def load_kjv_chapters() -> list[str]:
     return [" ".join(verses) for verses in chapters.values()]
 
 
-def _json_text(path: Path, line: int | None, record: int, row: object, text_column: str) -> str | None:
-    """The text of JSON record number ``record`` (on ``line`` for JSONL), ``None`` for a blank one;
-    DataFormatError for anything else."""
-    if not isinstance(row, dict) or text_column not in row:
-        raise DataFormatError(path, line, f"record {record} has no {text_column!r} field (use --text_column)")
-    text = row[text_column]
-    if not isinstance(text, str):
-        raise DataFormatError(
-            path, line,
-            f"record {record}: the {text_column!r} field must be a string; got {type(text).__name__} ({text!r:.40})",
-        )
-    return text if text.strip() else None
-
-
-def read_json_documents(path: str | os.PathLike, text_column: str = "text") -> list[str]:
-    """Documents from a ``.json`` file (an array of objects) or ``.jsonl`` file (one object a line).
-
-    Each record's ``text_column`` field is one document. Records whose text is empty or only whitespace are
-    skipped (they are no document); a record that is not an object, lacks the field, or has a field that is
-    not a string (``null``, a number, a list) is an error, never a ``"None"`` document.
-
-    Raises:
-        DataFormatError: bad UTF-8, invalid JSON, or a bad record; names the file and the line (JSONL) or
-            the record number (a JSON array).
-    """
-    path = Path(path)
-    text = read_text(path)
-    if text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise DataFormatError(path, error.lineno, f"invalid JSON: {error.msg} (column {error.colno})") from error
-        if not isinstance(rows, list):
-            raise DataFormatError(path, None, f"expected a JSON array of objects; got {type(rows).__name__}")
-        texts = (_json_text(path, None, n, row, text_column) for n, row in enumerate(rows, start=1))
-        return [t for t in texts if t is not None]
-    documents = []
-    record = 0
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        record += 1
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataFormatError(path, number, f"invalid JSON: {error.msg} (column {error.colno})") from error
-        document = _json_text(path, number, record, row, text_column)
-        if document is not None:
-            documents.append(document)
-    return documents
-
-
-def read_text_documents(path: str | os.PathLike) -> list[str]:
-    """Documents from a ``.txt`` / ``.md`` file: its blank-line separated paragraphs, stripped.
-
-    UTF-8 with or without a byte-order mark, Unix or Windows line ends (see :func:`read_text`).
-    """
-    return [p.strip() for p in read_text(path).split("\n\n") if p.strip()]
-
-
-def _read_local_file(path: Path, text_column: str) -> list[str]:
-    suffix = path.suffix.lower()
-    if suffix in (".json", ".jsonl"):
-        return read_json_documents(path, text_column)
-    if suffix in (".txt", ".md", ""):
-        return read_text_documents(path)
-    raise ValueError(f"{path}: unsupported data file type {suffix!r}; allowed: .txt, .md, .json, .jsonl")
-
-
 def load_documents(
     dataset: str | None = None,
     files: Sequence[str | os.PathLike] | None = None,
@@ -125,9 +57,11 @@ def load_documents(
             :mod:`depthfusion_hf.data.plays`) or a Hub dataset id
             (needs network access, loaded with ``datasets.load_dataset``); missing (``None``) and blank
             texts are skipped, a non-string text is a ValueError naming the row.
-        files: local ``.txt``/``.md`` (paragraphs are documents) or ``.json``/``.jsonl`` files, read by
-            :func:`read_text_documents` / :func:`read_json_documents` (UTF-8, BOM and Windows line ends
-            accepted; bad bytes, bad JSON and non-string texts are errors naming the file and line).
+        files: a list of local ``.txt``/``.md`` (paragraphs are documents) or ``.json``/``.jsonl`` files, read
+            by :func:`~depthfusion_hf.data.documents.read_local_file` (UTF-8, BOM and Windows line ends
+            accepted; bad bytes, bad JSON, non-string texts and a file without any document are errors
+            naming the file and line; a folder or a missing file is named as such). An empty list, or
+            ``files`` together with a ``dataset`` other than the default, is a ValueError.
             ``datasets.load_dataset("json")`` is not used for them: it names neither file nor line on
             such errors and keeps ``null`` / numeric texts.
         text_column: the text field in JSON records and Hub datasets.
@@ -136,8 +70,14 @@ def load_documents(
     Returns:
         A list of non-empty strings.
     """
-    if files:
-        documents = [doc for f in files for doc in _read_local_file(Path(f), text_column)]
+    if files is not None:
+        if isinstance(files, str | os.PathLike):
+            raise TypeError(f"files must be a list of paths; got the single path {str(files)!r} (write [path])")
+        if not files:
+            raise ValueError("files is an empty list: give at least one data file (or files=None for a dataset)")
+        if dataset not in (None, BUILTIN_CORPUS):
+            raise ValueError(f"give either dataset={dataset!r} or files, not both (files would replace the dataset)")
+        documents = [doc for f in files for doc in read_local_file(Path(f), text_column)]
     elif dataset in (None, BUILTIN_CORPUS):
         documents = load_kjv_chapters()
     elif dataset == "plays":  # the second built-in corpus (Shakespeare's plays, Gutenberg texts): data/plays.py
@@ -155,7 +95,7 @@ def load_documents(
         if bad is not None:
             raise ValueError(f"dataset {dataset!r}: column {text_column!r} must hold strings; row {bad} holds "
                              f"{type(texts[bad]).__name__} ({texts[bad]!r:.40})")
-        documents = [t for t in texts if t and t.strip()]  # missing (None) and blank texts are no documents
+        documents = [t for t in texts if t and not is_blank(t)]  # missing (None) and blank texts are no documents
     if not documents:
         raise ValueError("the corpus is empty")
     return documents
@@ -175,9 +115,15 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 4096):
     """Train a byte-level BPE tokenizer on ``texts`` and wrap it as a ``PreTrainedTokenizerFast``.
 
     Special tokens: ``<|endoftext|>`` (bos/eos) and ``<|pad|>``.
+
+    Raises:
+        ValueError: ``vocab_size`` below 258 (the 256 byte symbols and the 2 special tokens: the trainer would
+            silently return a larger vocabulary than asked for).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    _positive_int("vocab_size", vocab_size, minimum=MIN_BPE_VOCAB)
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -194,19 +140,41 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 4096):
     )
 
 
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return value
+
+
 def pack_into_blocks(tokenizer, texts: Sequence[str], block_size: int, max_blocks: int | None = None):
     """Tokenise, join documents with EOS, and cut into blocks of ``block_size`` tokens.
 
+    Args:
+        tokenizer: a tokenizer with an ``eos_token_id``.
+        texts: the documents (strings).
+        block_size: tokens per block, an integer >= 2.
+        max_blocks: at most this many blocks (an integer >= 1), or ``None`` for all.
     Returns:
         A ``datasets.Dataset`` with ``input_ids`` and ``labels`` columns, each [block_size].
+    Raises:
+        ValueError: ``block_size`` or ``max_blocks`` not an integer in range (``max_blocks=0`` or ``-1`` would
+            give no block), a tokenizer without an EOS token, a text that is not a string, or fewer tokens than
+            one block.
     """
     from datasets import Dataset
 
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2; got {block_size}")
+    _positive_int("block_size", block_size, minimum=2)
+    if max_blocks is not None:
+        _positive_int("max_blocks", max_blocks)
     eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no eos_token_id, so documents cannot be separated (set its eos_token)")
+    texts = list(texts)
+    bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
+    if bad is not None:
+        raise ValueError(f"texts[{bad}] is a {type(texts[bad]).__name__}, not a string")
     ids: list[int] = []
-    for encoded in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+    for encoded in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         ids.extend(encoded)
         ids.append(eos)
         if max_blocks is not None and len(ids) >= max_blocks * block_size:
@@ -222,6 +190,7 @@ def pack_into_blocks(tokenizer, texts: Sequence[str], block_size: int, max_block
 
 __all__ = [
     "BUILTIN_CORPUS",
+    "MIN_BPE_VOCAB",
     "kjv_path",
     "load_kjv_chapters",
     "load_documents",

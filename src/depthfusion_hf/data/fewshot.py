@@ -36,11 +36,22 @@ def parse_size(spec: str | int) -> TrainingSize:
 
 
 def count_entities(sentences: list[Sentence]) -> Counter:
-    """Entity mentions per type (one per ``B-`` tag of IOB2 tags) over ``sentences``."""
+    """Entity mentions per type over ``sentences``: one per chunk start, i.e. a ``B-X`` tag, or an ``I-X`` tag that
+    does not continue an ``X`` chunk (IOB1 input counts as its IOB2 conversion would)."""
     counts: Counter = Counter()
     for sentence in sentences:
-        counts.update(tag[2:] for tag in sentence["ner_tags"] if tag.startswith("B-"))
+        previous = "O"
+        for tag in sentence["ner_tags"]:
+            if tag.startswith("B-") or (tag.startswith("I-") and previous[2:] != tag[2:]):
+                counts[tag[2:]] += 1
+            previous = tag
     return counts
+
+
+def _count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer; got {value!r}")
+    return value
 
 
 def check_pool(sentences: list[Sentence]) -> None:
@@ -59,15 +70,26 @@ def check_pool(sentences: list[Sentence]) -> None:
 
 
 def sample_sentences(sentences: list[Sentence], n: int, seed: int) -> list[Sentence]:
-    """``n`` distinct sentences drawn uniformly with ``random.Random(seed)`` (same seed, same sample).
+    """``n`` distinct sentences drawn uniformly with ``random.Random(seed)`` (same seed, same sample), never an
+    entity-free set.
+
+    When the uniform draw holds no entity mention (a pool with few entity sentences), its last sentence is
+    replaced by an entity sentence drawn with the same generator, so the set still has ``n`` distinct sentences
+    and at least one mention; a draw that already holds one is kept as drawn.
 
     Raises ValueError for a pool that is empty or has no entity mention (:func:`check_pool`), or ``n``
     outside ``[1, len(sentences)]``.
     """
+    _count("n", n)
     check_pool(sentences)
     if not 1 <= n <= len(sentences):
         raise ValueError(f"cannot sample n={n} sentences from a pool of {len(sentences)}")
-    return [sentences[i] for i in random.Random(seed).sample(range(len(sentences)), n)]
+    rng = random.Random(seed)
+    chosen = rng.sample(range(len(sentences)), n)
+    if not count_entities([sentences[i] for i in chosen]):
+        with_entities = [i for i, sentence in enumerate(sentences) if count_entities([sentence])]
+        chosen[-1] = rng.choice(with_entities)  # none of them was drawn, so the set stays distinct
+    return [sentences[i] for i in chosen]
 
 
 def sample_kshot(sentences: list[Sentence], k: int, seed: int, entity_types: list[str] | None = None) -> list[Sentence]:
@@ -78,13 +100,17 @@ def sample_kshot(sentences: list[Sentence], k: int, seed: int, entity_types: lis
     sentence whose removal leaves all types at ``>= k``. Sentences without entities are never chosen.
     ``entity_types`` defaults to all types in ``sentences``.
 
-    Raises ValueError for a pool that is empty or has no entity mention (:func:`check_pool`), an empty
-    ``entity_types``, or a pool with fewer than ``k`` mentions of some type.
+    Raises ValueError for a pool that is empty or has no entity mention (:func:`check_pool`), a ``k`` that is not
+    an integer >= 1, an empty ``entity_types`` (or a single string), or a pool with fewer than ``k`` mentions of
+    some type.
     """
-    if k < 1:
+    if _count("k", k) < 1:
         raise ValueError(f"k must be >= 1; got {k}")
     check_pool(sentences)
-    types = sorted(entity_types if entity_types is not None else count_entities(sentences))
+    if isinstance(entity_types, str):
+        raise ValueError(f"entity_types must be a list of type names; got the string {entity_types!r} "
+                         f"(write [{entity_types!r}])")
+    types = sorted(set(entity_types) if entity_types is not None else count_entities(sentences))
     if not types:
         raise ValueError("entity_types is empty: a K-shot set needs at least one entity type")
     available = count_entities(sentences)
