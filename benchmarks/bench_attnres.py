@@ -6,13 +6,14 @@ norm weight and every source) of
 
 - ``sum``        ``sum_i v_i``: the unit-weight residual stream of a pre-norm Llama (the floor);
 - ``reference``  the loop over sources (``backend="reference"``), small shapes only;
-- ``torch``      the custom autograd Function over the source list (``backend="torch"``);
+- ``torch``      the vectorised PyTorch path (``backend="torch"``);
 - ``triton``     the fused kernels (``backend="triton"``, CUDA only).
 
 and reports the median time, the peak memory allocated during the call, the ratio to ``sum``, and on
 CUDA the fused kernel's effective bandwidth (bytes the op must move: ``(N + 1) M D`` elements forward,
-``(2N + 2) M D`` (fp32) or ``(3N + 1) M D`` (half) more backward). Results are printed as a markdown
-table and appended to ``docs/bench/attnres.jsonl`` with the machine named.
+``(2N + 2) M D`` (fp32) or ``(3N + 1) M D`` (half) more backward). The implementations run interleaved
+(``harness.interleave``); the ``×sum`` ratios are medians of the paired per-repeat ratios. Results are printed as
+a markdown table and appended to ``docs/bench/attnres.jsonl`` with the machine and its load named.
 
     python benchmarks/bench_attnres.py --threads 1                 # CPU, fp32
     python benchmarks/bench_attnres.py --device cuda --dtype bf16
@@ -21,16 +22,27 @@ table and appended to ``docs/bench/attnres.jsonl`` with the machine named.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from harness import DTYPES, REPO, clock, git_commit, machine_name, peak_memory_bytes, sync
 
-from depthfusion_hf.models.attnres.attnres import attention_residual, attnres_triton_available
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (  # noqa: E402
+    BENCH_DIR,
+    DTYPES,
+    append_record,
+    interleave,
+    paired,
+    peak_memory_bytes,
+    print_header,
+    record_header,
+    triton_available,
+)
+
+from depthfusion_hf.ops import attention_residual  # noqa: E402
 
 
 def make_inputs(tokens: int, dim: int, n_src: int, device, dtype):
@@ -62,21 +74,6 @@ def make_call(impl: str, inputs, backward: bool) -> Callable[[], None]:
     return call
 
 
-def median_ms(call: Callable[[], None], device, warmup: int, reps: int) -> float:
-    """Median over ``reps`` timed calls after ``warmup`` untimed ones (CPU: process time; CUDA: wall)."""
-    timer = clock(device)
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        start = timer()
-        call()
-        sync(device)
-        times.append((timer() - start) * 1e3)
-    return statistics.median(times)
-
-
 def bytes_moved(tokens: int, dim: int, n_src: int, dtype: torch.dtype, backward: bool) -> int:
     """The minimum traffic of the fused kernels (see the module docstring)."""
     rows = n_src + 1
@@ -85,7 +82,8 @@ def bytes_moved(tokens: int, dim: int, n_src: int, dtype: torch.dtype, backward:
     return rows * tokens * dim * torch.finfo(dtype).bits // 8
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Measure, print and record (see the module docstring); returns the record."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
@@ -98,9 +96,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1: stable on a shared machine)")
-    parser.add_argument("--out", default=str(REPO / "docs" / "bench" / "attnres.jsonl"),
-                        help="results file (appended); '' to skip")
-    args = parser.parse_args()
+    parser.add_argument("--label", default="", help="free text stored with the record")
+    parser.add_argument("--out", default=str(BENCH_DIR / "attnres.jsonl"), help="results file (appended); '' to skip")
+    args = parser.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,13 +109,11 @@ def main() -> None:
     dims = args.dim or ([2048, 4096] if cuda else [256, 512])
     n_sources = args.sources or [2, 9, 25]
     warmup, reps = args.warmup or (3 if cuda else 1), args.reps or (20 if cuda else 5)
-    impls = args.backends or (["reference", "torch"] + (["triton"] if cuda and attnres_triton_available() else []))
-    if "triton" in impls and not (cuda and attnres_triton_available()):
+    impls = args.backends or (["reference", "torch"] + (["triton"] if triton_available(device) else []))
+    if "triton" in impls and not triton_available(device):
         raise SystemExit("the triton backend needs --device cuda and Triton")
 
-    machine = machine_name(device)
-    print(f"machine: {machine}   torch {torch.__version__}   commit {git_commit()}")
-    print(f"{dtype}  warmup={warmup} reps={reps}  backends={impls}")
+    print_header("bench_attnres", device, f"{dtype}  warmup={warmup} reps={reps} (interleaved)  backends={impls}")
     header = ["tokens", "D", "N", "mode", "sum ms"] + [f"{i} ms (×sum)" for i in impls] + ["sum MiB"]
     header += [f"{i} MiB" for i in impls] + (["triton GB/s"] if "triton" in impls else [])
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -128,16 +124,15 @@ def main() -> None:
                 inputs = make_inputs(tokens, dim, n_src, device, dtype)
                 for mode in args.modes:
                     backward = mode == "fwd+bwd"
-                    row_ms, row_mib = {}, {}
-                    for impl in ["sum", *impls]:
-                        if impl == "reference" and tokens * dim * n_src > (1 << 24):
-                            continue
-                        call = make_call(impl, inputs, backward)
-                        row_ms[impl] = median_ms(call, device, warmup, reps)
-                        row_mib[impl] = peak_memory_bytes(call, device) / 2**20
+                    run = [i for i in ["sum", *impls] if not (i == "reference" and tokens * dim * n_src > (1 << 24))]
+                    calls = {impl: make_call(impl, inputs, backward) for impl in run}
+                    times = interleave(calls, reps, device, warmup=warmup)
+                    row_ms = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
+                    ratio = {impl: paired(times[impl], times["sum"]).as_record() for impl in run}
+                    row_mib = {impl: peak_memory_bytes(calls[impl], device) / 2**20 for impl in run}
                     cells = [str(tokens), str(dim), str(n_src), mode, f"{row_ms['sum']:.3f}"]
-                    cells += [f"{row_ms[i]:.3f} ({row_ms[i] / max(row_ms['sum'], 1e-9):.2f}×)" if i in row_ms
-                              else "skipped" for i in impls]
+                    cells += [f"{row_ms[i]:.3f} ({ratio[i]['median']:.2f}×)" if i in row_ms else "skipped"
+                              for i in impls]
                     cells += [f"{row_mib['sum']:.1f}"] + [f"{row_mib[i]:.1f}" if i in row_mib else "skipped"
                                                           for i in impls]
                     gbps = None
@@ -145,18 +140,15 @@ def main() -> None:
                         gbps = bytes_moved(tokens, dim, n_src, dtype, backward) / (row_ms["triton"] * 1e-3) / 1e9
                         cells.append(f"{gbps:.0f}")
                     print("| " + " | ".join(cells) + " |", flush=True)
-                    results.append(dict(tokens=tokens, D=dim, N=n_src, mode=mode, time_ms=row_ms, peak_mib=row_mib,
-                                        triton_gbps=gbps))
+                    results.append(dict(tokens=tokens, D=dim, N=n_src, mode=mode, time_ms=row_ms, ratio_vs_sum=ratio,
+                                        peak_mib=row_mib, triton_gbps=gbps))
                 del inputs
 
+    record = dict(record_header(device, argv, args.label), dtype=str(dtype), warmup=warmup, reps=reps,
+                  results=results)
     if args.out:
-        record = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine,
-                      torch=torch.__version__, commit=git_commit(), device=args.device, dtype=str(dtype),
-                      warmup=warmup, reps=reps, results=results)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(f"\nappended to {args.out}")
+        print(f"\nappended to {append_record(args.out, record)}")
+    return record
 
 
 if __name__ == "__main__":

@@ -25,17 +25,30 @@ Results are appended to ``docs/bench/dwa.jsonl`` with the machine named.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from harness import DTYPES, REPO, clock, git_commit, machine_name, peak_memory_bytes, sync
 
-from depthfusion_hf.models.denseformer.dwa import depth_weighted_average, dwa_triton_forward_backward_available
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (  # noqa: E402
+    BENCH_DIR,
+    DTYPES,
+    append_record,
+    clock_name,
+    interleave,
+    paired,
+    peak_memory_bytes,
+    print_header,
+    record_header,
+    sync,
+    triton_available,
+)
+
+from depthfusion_hf.ops import depth_weighted_average  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,7 +263,8 @@ def kernel_bandwidth(device: torch.device, dtype: torch.dtype, numel: int, ns: l
     return rows
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Measure, print and record (see the module docstring); returns the record."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
@@ -260,9 +274,10 @@ def main() -> None:
     parser.add_argument("--configs", default="1x1,4x5", help="k×p DenseFormer variants")
     parser.add_argument("--reps", type=int, default=None, help="timed repeats per implementation (interleaved)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on shared machines)")
-    parser.add_argument("--out", default=str(REPO / "docs" / "bench" / "dwa.jsonl"), help="results file (appended)")
+    parser.add_argument("--label", default="", help="free text stored with the record")
+    parser.add_argument("--out", default=str(BENCH_DIR / "dwa.jsonl"), help="results file (appended)")
     parser.add_argument("--no-save", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -273,18 +288,14 @@ def main() -> None:
     else:
         shape = (8, 2048, 2048) if device.type == "cuda" else (2, 256, 256)
     reps = args.reps or (20 if device.type == "cuda" else 5)
-    now = clock(device)
-    impls = ["none", "paper", "reference", "torch"]
-    if device.type == "cuda" and dwa_triton_forward_backward_available():
-        impls += ["triton"]
-    machine = machine_name(device)
-    print(f"# bench_dwa  machine: {machine}  torch {torch.__version__}  commit {git_commit()}")
-    timer = "process CPU time" if device.type == "cpu" else "wall time"
-    print(f"# state {shape} {args.dtype}, {reps} interleaved repeats, median fwd+bwd {timer}; baseline = paper")
+    impls = ["none", "paper", "reference", "torch"] + (["triton"] if triton_available(device) else [])
+    timer = clock_name(device)
+    print_header("bench_dwa", device, f"state {shape} {args.dtype}, {reps} interleaved repeats, median fwd+bwd; "
+                                      "baseline = paper")
 
     results = []
     header = f"{'d':>3} {'k×p':>4} | " + " | ".join(f"{name:>34}" for name in impls[1:])
-    print(f"\n{'':>9}   time ms (DWA ms above 'none', ×paper) / peak MiB (×paper)")
+    print(f"\n{'':>9}   time ms (DWA ms above 'none', ×paper [paired median]) / peak MiB (×paper)")
     print(header)
     print("-" * len(header))
     for config in args.configs.split(","):
@@ -296,33 +307,30 @@ def main() -> None:
             runners = {impl: make_runner(impl, depth, dilation, period, x0, scales) for impl in impls}
             if depth >= period:  # otherwise there is no DWA step, hence nothing to compare
                 check_same_results(runners, depth, dtype)
-            for run, _params in runners.values():  # warm-up
-                run()
-            times: dict[str, list[float]] = {impl: [] for impl in impls}
-            for _ in range(reps):
-                for impl in impls:
-                    run = runners[impl][0]
-                    scales.grad = None
-                    sync(device)
-                    t0 = now()
-                    run()
-                    sync(device)
-                    times[impl].append(now() - t0)
+
+            def timed(run: Callable[[], torch.Tensor], scales: torch.Tensor = scales) -> Callable[[], torch.Tensor]:
+                def call() -> torch.Tensor:
+                    scales.grad = None  # each run's gradients, not their sum over repeats
+                    return run()
+                return call
+
+            times = interleave({impl: timed(runners[impl][0]) for impl in impls}, reps, device)
             med = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
+            ratio = {impl: paired(times[impl], times["paper"]).as_record() for impl in impls}
             mem = {impl: peak_memory_bytes(runners[impl][0], device) / 2**20 for impl in impls}
             row = dict(depth=depth, config=f"{dilation}x{period}", time_ms=med, peak_mib=mem,
-                       dwa_ms={impl: med[impl] - med["none"] for impl in impls})
+                       dwa_ms={impl: med[impl] - med["none"] for impl in impls}, ratio_vs_paper=ratio)
             results.append(row)
             cells = []
             for impl in impls[1:]:
-                cells.append(f"{med[impl]:6.1f} ({med[impl] - med['none']:5.1f},{med[impl] / med['paper']:4.2f}×)"
+                cells.append(f"{med[impl]:6.1f} ({med[impl] - med['none']:5.1f},{ratio[impl]['median']:4.2f}×)"
                              f" {mem[impl]:5.0f} ({mem[impl] / mem['paper']:4.2f}×)")
             print(f"{depth:>3} {dilation}x{period:<2} | " + " | ".join(cells))
     print("\n'none' (no DWA) fwd+bwd ms: " + ", ".join(f"d={r['depth']} {r['config']}: {r['time_ms']['none']:.1f} "
                                                       f"({r['peak_mib']['none']:.0f} MiB)" for r in results))
 
     kernel_rows = []
-    if device.type == "cuda" and "triton" in impls:
+    if "triton" in impls:
         numel = 1
         for s in shape:
             numel *= s
@@ -333,16 +341,11 @@ def main() -> None:
             print(f"{r['N']:>3} {r['backend']:>8} | {r['fwd_ms']:8.3f} {r['fwd_bw_frac']:11.2f} | "
                   f"{r['bwd_ms']:8.3f} {r['bwd_bw_frac']:11.2f}")
 
+    record = dict(record_header(device, argv, args.label), dtype=args.dtype, shape=list(shape), reps=reps,
+                  timer=timer, threads=torch.get_num_threads(), results=results, kernel=kernel_rows)
     if not args.no_save:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        record = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine,
-                      torch=torch.__version__, commit=git_commit(), device=args.device, dtype=args.dtype,
-                      shape=list(shape), reps=reps, timer=timer, threads=torch.get_num_threads(), results=results,
-                      kernel=kernel_rows)
-        with open(out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(f"\nappended to {out}")
+        print(f"\nappended to {append_record(args.out, record)}")
+    return record
 
 
 if __name__ == "__main__":

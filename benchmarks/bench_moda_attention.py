@@ -17,45 +17,36 @@ flash backend (the ``torch`` path is skipped where its [T, S] probabilities woul
     python benchmarks/bench_moda_attention.py --threads 1                  # ... on a shared machine
     python benchmarks/bench_moda_attention.py --device cuda --dtype bf16   # T = 4K..64K, Hq=64, Hkv=8
 
-Results are printed as a markdown table and appended to ``docs/bench/moda_attention.jsonl`` with
-the machine named.
+The implementations run interleaved (``harness.interleave``: process CPU time on CPU, wall time on CUDA);
+the ``×SDPA`` ratios are medians of the paired per-repeat ratios. Results are printed as a markdown table and
+appended to ``docs/bench/moda_attention.jsonl`` with the machine and its load named.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import time
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from harness import DTYPES, REPO, git_commit, machine_name, peak_memory_bytes
 
-from depthfusion_hf.models.moda.moda_attention import moda_attention, moda_triton_available
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (  # noqa: E402
+    BENCH_DIR,
+    DTYPES,
+    append_record,
+    interleave,
+    paired,
+    peak_memory_bytes,
+    print_header,
+    record_header,
+    triton_available,
+)
 
-
-def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
-    """Median wall time of ``fn()`` in milliseconds (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from depthfusion_hf.ops import moda_attention  # noqa: E402
 
 
 def make_inputs(B: int, Hq: int, Hkv: int, T: int, M: int, d: int, device: torch.device, dtype: torch.dtype,
@@ -120,7 +111,8 @@ def sanity_check(impls: list[str], B: int, Hq: int, Hkv: int, T: int, d: int, de
                 for impl in impls}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Measure, print and record (see the module docstring); returns the record."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
@@ -141,9 +133,10 @@ def main() -> None:
                         help="skip the torch path above this estimated memory on CPU")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (1 gives stable timings on a shared machine)")
-    parser.add_argument("--out", default=str(REPO / "docs" / "bench" / "moda_attention.jsonl"),
+    parser.add_argument("--label", default="", help="free text stored with the record")
+    parser.add_argument("--out", default=str(BENCH_DIR / "moda_attention.jsonl"),
                         help="results file (appended); '' to skip")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -155,14 +148,12 @@ def main() -> None:
     Hq, Hkv = args.hq or (64 if cuda else 8), args.hkv or (8 if cuda else 2)
     d, B = args.head_dim, args.batch
     warmup, reps = args.warmup or (3 if cuda else 1), args.reps or (10 if cuda else 3)
-    impls = args.backends or (["torch", "triton"] if cuda and moda_triton_available() else ["torch"])
-    if "triton" in impls and not (cuda and moda_triton_available()):
+    impls = args.backends or (["torch", "triton"] if triton_available(device) else ["torch"])
+    if "triton" in impls and not triton_available(device):
         raise SystemExit("the triton backend needs --device cuda and Triton")
 
-    machine = machine_name(device)
-    print(f"machine: {machine}   torch {torch.__version__}   commit {git_commit()}")
-    print(f"B={B} Hq={Hq} Hkv={Hkv} d={d} {dtype}  warmup={warmup} reps={reps}  backends={impls}  "
-          f"depth layout={args.depth_layout}")
+    print_header("bench_moda_attention", device, f"B={B} Hq={Hq} Hkv={Hkv} d={d} {dtype}  warmup={warmup} "
+                 f"reps={reps} (interleaved)  backends={impls}  depth layout={args.depth_layout}")
     check = sanity_check(impls, B, Hq, Hkv, min(Ts[0], 256), d, device, dtype)
     print("sanity (M=0 vs SDPA, max abs diff): " + ", ".join(f"{k} {v:.1e}" for k, v in check.items()))
 
@@ -175,38 +166,31 @@ def main() -> None:
             M = 2 * L
             inputs = make_inputs(B, Hq, Hkv, T, M, d, device, dtype, args.depth_layout)
             for mode in args.modes:
-                row_ms, row_mib = {}, {}
-                for impl in ["sdpa", *impls]:
-                    if impl == "torch" and not torch_path_fits(B, Hq, T, M, device, args.cpu_torch_limit_gib):
-                        continue
-                    if impl == "reference" and T > 256:
-                        continue
-                    call = make_call(impl, inputs, backward=mode == "fwd+bwd")
-                    row_ms[impl] = median_ms(call, device, warmup, reps)
-                    row_mib[impl] = peak_memory_bytes(call, device) / 2**20
-                    del call
-
-                def cell(values: dict[str, float], impl: str, fmt: str) -> str:
-                    if impl not in values:
-                        return "skipped"
-                    return f"{values[impl]:{fmt}} ({values[impl] / max(values['sdpa'], 1e-9):.2f}×)"
+                run = [i for i in ["sdpa", *impls]
+                       if not (i == "torch" and not torch_path_fits(B, Hq, T, M, device, args.cpu_torch_limit_gib))
+                       and not (i == "reference" and T > 256)]
+                calls = {impl: make_call(impl, inputs, backward=mode == "fwd+bwd") for impl in run}
+                times = interleave(calls, reps, device, warmup=warmup)
+                row_ms = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
+                ratio = {impl: paired(times[impl], times["sdpa"]).as_record() for impl in run}
+                row_mib = {impl: peak_memory_bytes(calls[impl], device) / 2**20 for impl in run}
+                del calls
 
                 cells = [str(T), str(L), str(M), mode, f"{row_ms['sdpa']:.2f}"]
-                cells += [cell(row_ms, i, ".2f") for i in impls]
-                cells += [f"{row_mib['sdpa']:.1f}"] + [cell(row_mib, i, ".1f") for i in impls]
+                cells += [f"{row_ms[i]:.2f} ({ratio[i]['median']:.2f}×)" if i in row_ms else "skipped"
+                          for i in impls]
+                cells += [f"{row_mib['sdpa']:.1f}"] + [
+                    f"{row_mib[i]:.1f} ({row_mib[i] / max(row_mib['sdpa'], 1e-9):.2f}×)" if i in row_mib else "skipped"
+                    for i in impls]
                 print("| " + " | ".join(cells) + " |", flush=True)
-                results.append(dict(T=T, L=L, M=M, mode=mode, time_ms=row_ms, peak_mib=row_mib))
+                results.append(dict(T=T, L=L, M=M, mode=mode, time_ms=row_ms, ratio_vs_sdpa=ratio, peak_mib=row_mib))
             del inputs
 
+    record = dict(record_header(device, argv, args.label), dtype=str(dtype), B=B, Hq=Hq, Hkv=Hkv, d=d,
+                  warmup=warmup, reps=reps, depth_layout=args.depth_layout, sanity=check, results=results)
     if args.out:
-        record = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine,
-                      torch=torch.__version__, commit=git_commit(), device=args.device, dtype=str(dtype),
-                      B=B, Hq=Hq, Hkv=Hkv, d=d, warmup=warmup, reps=reps, depth_layout=args.depth_layout,
-                      sanity=check, results=results)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(f"\nappended to {args.out}")
+        print(f"\nappended to {append_record(args.out, record)}")
+    return record
 
 
 if __name__ == "__main__":

@@ -125,6 +125,11 @@ def meets(value: float, bound: float, higher_is_better: bool) -> bool:
     return value >= bound if higher_is_better else value <= bound
 
 
+def triton_available(device: torch.device) -> bool:
+    """Whether a Triton backend can run here: a CUDA device and an importable ``triton``."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
 # ---------------------------------------------------------------------------------------------------
 # Memory
 # ---------------------------------------------------------------------------------------------------

@@ -3,11 +3,11 @@
 
 The benchmark scripts append one JSON object per run to
 
-- ``dwa.jsonl``            (``benchmarks/bench_dwa.py``)            -> ``dwa.png``
-- ``models.jsonl``         (``benchmarks/bench_models.py``)         -> ``models.png``
-- ``moda_attention.jsonl`` (``benchmarks/bench_moda_attention.py``) -> ``moda_attention.png``
-- ``moda_stream.jsonl``    (``benchmarks/bench_models.py``, MoDA variants)  -> ``moda_stream.png``
-- ``moda_layers.jsonl``    (``benchmarks/bench_models.py`` per ``--layers``) -> ``moda_layers.png``
+- ``dwa.jsonl``            (``bench_dwa.py``)            -> ``dwa.png``
+- ``models.jsonl``         (``bench_models.py``)         -> ``models.png``
+- ``moda_attention.jsonl`` (``bench_moda_attention.py``) -> ``moda_attention.png``
+- ``moda_stream.jsonl``    (``bench_models.py``, MoDA variants)  -> ``moda_stream.png``
+- ``moda_layers.jsonl``    (``bench_models.py`` per ``--layers``) -> ``moda_layers.png``
 
 For each kind this script takes the latest record (or the latest one whose commit starts with
 ``--commit``) and draws:
@@ -15,9 +15,10 @@ For each kind this script takes the latest record (or the latest one whose commi
 - **dwa**: forward+backward time and peak memory of each implementation relative to the paper's
   accumulator + ``tensordot`` baseline (= 1), one group of bars per implementation, one bar per
   depth and k×p;
-- **models**: train-step time (fastest repeat; median as a dot), peak memory and decode tok/s
-  relative to Llama, with the issue's targets (DenseFormer 4×5 train ≤ 1.03, 1×1 ≤ 1.10,
-  decode ≥ 0.95; MoDA train ≤ 1.15) drawn over the bars they apply to;
+- **models**: train-step time, peak memory and decode tok/s relative to Llama, with the bounds drawn over the
+  bars they apply to: a record that stores its ``targets`` (today's ``bench_models.py``) shows the medians of
+  the paired ratios against its own bounds; an older one the fastest repeat (median as a dot) against the
+  issue-5/10 targets (DenseFormer 4×5 train ≤ 1.03, 1×1 ≤ 1.10, decode ≥ 0.95; MoDA train ≤ 1.15);
 - **moda_attention**: time and peak-memory ratio of MoDA attention vs SDPA over the sequence length T,
   one line per depth L (M = 2L depth entries), forward and forward+backward;
 - **moda_stream**: the MoDA variants of issue 10 (median of the paired per-repeat ratios vs Llama,
@@ -52,9 +53,20 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "docs" / "bench"
 KINDS = ("dwa", "models", "moda_attention", "moda_stream", "moda_layers")
 
-# The issue's targets, ratios vs Llama: (model-name prefix, bound, "le"/"ge", label).
+# The targets of records made before bench_models.py stored its own (issues 5 and 10), ratios vs Llama:
+# (model-name prefix, bound, label). A record with ``targets`` is drawn with those, by exact model name.
 TRAIN_TARGETS = [("denseformer-4x5", 1.03, "≤ 1.03"), ("denseformer-1x1", 1.10, "≤ 1.10"), ("moda", 1.15, "≤ 1.15")]
 DECODE_TARGETS = [("denseformer", 0.95, "≥ 0.95")]
+
+
+def recorded_targets(record: dict, metric: str) -> list[tuple[str, float, str]] | None:
+    """``(model, bound, label)`` of ``metric`` from the record's own ``targets`` (exact names), or ``None`` when the
+    record has none (an older record: the prefix tables above apply)."""
+    if "targets" not in record:
+        return None
+    sign = "≥" if metric.startswith("decode") else "≤"
+    return [(name, bounds[metric], f"{sign} {bounds[metric]}") for name, bounds in record["targets"].items()
+            if metric in bounds]
 
 
 class NoRecord(LookupError):
@@ -140,11 +152,12 @@ def plot_dwa(record: dict, out: Path) -> Path:
                    f"median of {record.get('reps', '?')}, {record.get('timer', '')})", record, out)
 
 
-def _targets_for(models: list[str], targets: list[tuple[str, float, str]]) -> list[tuple[int, float, str]]:
+def _targets_for(models: list[str], targets: list[tuple[str, float, str]],
+                 exact: bool = False) -> list[tuple[int, float, str]]:
     found = []
     for xi, m in enumerate(models):
         for prefix, bound, label in targets:
-            if m.startswith(prefix):
+            if m == prefix or (not exact and m.startswith(prefix)):
                 found.append((xi, bound, label))
                 break
     return found
@@ -165,13 +178,24 @@ def plot_models(record: dict, out: Path) -> Path:
     """Bar charts of train-step time, peak memory and decode speed relative to Llama; writes ``out``."""
     rows = record["results"]
     models = [r["model"] for r in rows]
-    panels = [
-        ("train_ratio", "train_ratio_median", "train step time ÷ Llama\n(bar: fastest repeat, dot: median)",
-         "train step (lower is better)", TRAIN_TARGETS),
-        ("peak_ratio", None, "peak memory ÷ Llama", "peak memory (lower is better)", []),
-        ("decode_ratio", "decode_ratio_median", "decode tok/s ÷ Llama\n(bar: best, dot: median)",
-         "decode, batch 1 (higher is better)", DECODE_TARGETS),
-    ]
+    exact = "targets" in record
+    if exact:  # a record of today's bench_models.py: medians of the paired ratios, its own bounds
+        panels = [
+            ("train_ratio_paired_median", None, "train step time ÷ Llama\n(median of paired ratios)",
+             "train step (lower is better)", recorded_targets(record, "train")),
+            ("peak_ratio", None, "peak memory ÷ Llama", "peak memory (lower is better)",
+             recorded_targets(record, "peak")),
+            ("decode_ratio_paired_median", None, "decode tok/s ÷ Llama\n(median of paired ratios)",
+             "decode, batch 1 (higher is better)", recorded_targets(record, "decode")),
+        ]
+    else:
+        panels = [
+            ("train_ratio", "train_ratio_median", "train step time ÷ Llama\n(bar: fastest repeat, dot: median)",
+             "train step (lower is better)", TRAIN_TARGETS),
+            ("peak_ratio", None, "peak memory ÷ Llama", "peak memory (lower is better)", []),
+            ("decode_ratio", "decode_ratio_median", "decode tok/s ÷ Llama\n(bar: best, dot: median)",
+             "decode, batch 1 (higher is better)", DECODE_TARGETS),
+        ]
     colours = ["#888888" if m.startswith("llama") else "#1f77b4" if m.startswith("denseformer") else "#2ca02c"
                for m in models]
     fig, axes = plt.subplots(1, 3, figsize=(15, 5.6), layout="constrained")
@@ -190,7 +214,7 @@ def plot_models(record: dict, out: Path) -> Path:
                     label="median")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xlim(-0.6, len(models) - 0.4 + (0.9 if targets else 0))  # room for target labels on the right
-        for x0, x1, bound, label in _merge_segments(_targets_for(models, targets)):
+        for x0, x1, bound, label in _merge_segments(_targets_for(models, targets, exact)):
             ax.hlines(bound, x0 - 0.45, x1 + 0.45, colors="red", linestyles="--", linewidth=1.5)
             ax.text(x1 + 0.5, bound, f"target {label}", ha="left", va="center", fontsize=8, color="red",
                     bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
@@ -201,7 +225,8 @@ def plot_models(record: dict, out: Path) -> Path:
     args = record.get("args", {})
     cfg = (f"{args.get('layers', '?')} layers, hidden {args.get('hidden', '?')}, batch {args.get('batch', '?')} × "
            f"seq {args.get('seq', '?')}, {args.get('dtype', '?')}, attn {args.get('attn', '?')}")
-    return _finish(fig, f"Models vs Llama ({cfg}); red dashes: the issue's targets", record, out)
+    return _finish(fig, f"Models vs Llama ({cfg}); red dashes: the {'recorded bounds' if exact else 'issue targets'}",
+                   record, out)
 
 
 def plot_moda_attention(record: dict, out: Path) -> Path:

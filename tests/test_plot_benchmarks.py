@@ -48,3 +48,19 @@ def test_commit_selects_record_and_unknown_commit_is_skipped(tmp_path, capsys):
     assert record["commit"] == "0c14725"
     assert plot.main(["--kinds", "models", "--commit", "0000000", "--out", str(tmp_path)]) == 1
     assert "no record for commit 0000000" in capsys.readouterr().err
+
+
+def test_a_record_with_its_own_targets_is_drawn_against_them_by_exact_name(tmp_path):
+    """Today's bench_models.py stores its bounds: the plot draws them over the models they name (``moda``, not
+    ``moda-before``), and the bars are the medians of the paired ratios."""
+    plot = _load_script()
+    rows = [dict(model=m, train_ratio_paired_median=t, peak_ratio=p, decode_ratio_paired_median=d)
+            for m, t, p, d in (("llama", 1.0, 1.0, 1.0), ("moda", 1.2, 1.1, 0.85), ("moda-before", 1.25, 1.1, 0.84))]
+    record = dict(machine="m", torch="t", commit="c", date="d", args={}, results=rows,
+                  targets={"moda": {"train": 1.30, "peak": 1.25, "decode": 0.80}})
+    targets = plot.recorded_targets(record, "decode")
+    assert targets == [("moda", 0.80, "≥ 0.8")]
+    assert plot._targets_for(["llama", "moda", "moda-before"], targets, exact=True) == [(1, 0.80, "≥ 0.8")]
+    assert len(plot._targets_for(["llama", "moda", "moda-before"], targets)) == 2  # old records: prefixes
+    png = plot.plot_models(record, tmp_path / "models.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5 * 1024
