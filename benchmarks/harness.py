@@ -204,12 +204,29 @@ def git_commit(repo: Path = REPO) -> str:
         return "unknown"
 
 
+def package_source() -> dict:
+    """Where the measured ``depthfusion_hf`` was imported from: its folder, the commit of the checkout holding it
+    and whether that checkout's ``src/`` differs from the commit (``dirty``: uncommitted changes were measured), so
+    a record never credits a commit with code it did not contain."""
+    import depthfusion_hf
+
+    folder = Path(depthfusion_hf.__file__).resolve().parent
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=folder, capture_output=True,
+                                text=True, check=True).stdout
+        dirty = bool(status.strip())
+    except Exception:
+        dirty = None
+    return dict(package=str(folder), package_commit=git_commit(folder), package_dirty=dirty)
+
+
 def record_header(device: torch.device, argv: Sequence[str] | None = None, label: str = "") -> dict:
-    """What every record starts with: date, machine, load, torch, commit, the command, a free-text label."""
+    """What every record starts with: date, machine, load, torch, commit (of the benchmark scripts), where the
+    measured package came from (:func:`package_source`), the command, a free-text label."""
     argv = sys.argv if argv is None else [sys.argv[0], *argv]
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine_name(device),
-                load=machine_load(), torch=torch.__version__, commit=git_commit(), device=str(device),
-                command="python " + " ".join(argv), label=label)
+                load=machine_load(), torch=torch.__version__, commit=git_commit(), **package_source(),
+                device=str(device), command="python " + " ".join(argv), label=label)
 
 
 def append_record(path: str | os.PathLike, record: dict) -> Path:
@@ -223,9 +240,11 @@ def append_record(path: str | os.PathLike, record: dict) -> Path:
 
 def print_header(script: str, device: torch.device, details: str) -> None:
     """The first lines of every benchmark's output: machine, load, torch, commit, clock, then ``details``."""
-    load = machine_load()
+    load, source = machine_load(), package_source()
+    dirty = " + uncommitted changes" if source["package_dirty"] else ""
     print(f"# {script}  machine: {machine_name(device)}  load {load['load_1min']} on {load['cpus']} CPUs  "
-          f"torch {torch.__version__}  commit {git_commit()}  clock: {clock_name(device)}")
+          f"torch {torch.__version__}  package {source['package']} at {source['package_commit']}{dirty}  "
+          f"clock: {clock_name(device)}")
     print(f"# {details}")
 
 

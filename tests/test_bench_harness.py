@@ -3,6 +3,7 @@ the JSONL file, and another checkout's family folders imported under other names
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,10 @@ def test_record_header_and_jsonl(tmp_path):
     header = harness.record_header(torch.device("cpu"), ["--reps", "3"], label="x")
     assert header["command"].endswith("--reps 3") and header["label"] == "x" and header["device"] == "cpu"
     assert header["torch"] == torch.__version__ and "load_1min" in header["load"] and header["machine"]
+    import depthfusion_hf
+
+    assert header["package"] == str(Path(depthfusion_hf.__file__).resolve().parent)
+    assert header["package_dirty"] in (True, False, None) and header["package_commit"]
     path = tmp_path / "sub" / "r.jsonl"
     harness.append_record(path, dict(header, results=[1]))
     harness.append_record(path, dict(header, results=[2]))
