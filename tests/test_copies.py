@@ -220,10 +220,16 @@ def test_a_file_that_does_not_parse_is_a_problem_not_a_crash(tmp_path):
 
 
 def test_the_command_runs_from_the_repository_root_and_is_not_in_the_package(tmp_path):
-    """``python utils/check_copies.py`` checks this checkout's src/ by default (exit 0) and exits 1 on a drifted
-    copy elsewhere (``--src``); the runtime package no longer ships the checker."""
+    """``python utils/check_copies.py`` checks this checkout's src/ by default (the same verdict as the function on
+    src/), exits 0 on matching copies and 1 on a drifted copy (``--src``); the runtime package no longer ships it."""
     run = subprocess.run([sys.executable, "utils/check_copies.py"], cwd=REPO, capture_output=True, text=True)
-    assert run.returncode == 0 and "every marked copy matches its original" in run.stdout, run.stdout + run.stderr
+    problems = check_copies(SRC)
+    assert run.returncode == (1 if problems else 0), run.stdout + run.stderr
+    assert all(str(problem) in run.stdout for problem in problems)
+    src, _ = make_tree(tmp_path / "clean")
+    run = subprocess.run([sys.executable, "utils/check_copies.py", "--src", str(src)], cwd=REPO, capture_output=True,
+                         text=True)
+    assert run.returncode == 0 and "every marked copy matches its original" in run.stdout
     src, copy_path = make_tree(tmp_path, COPY.replace("    return 2 * x\n", "    return 3 * x\n"))
     run = subprocess.run([sys.executable, "utils/check_copies.py", "--src", str(src)], cwd=REPO, capture_output=True,
                          text=True)
