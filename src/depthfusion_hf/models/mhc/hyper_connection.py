@@ -1,0 +1,515 @@
+"""The hyper-connection of manifold-constrained Hyper-Connections (mHC; DeepSeek-V4, Xie et al., 2026): from
+the n residual streams of a token, the weights of one sub-layer and the sub-layer's input.
+
+For streams ``X`` [n, D] of one token and parameters ``fn`` [(2 + n) n, n D], ``base`` [(2 + n) n],
+``scale`` [3] (transformers' ``DeepseekV4HyperConnection``):
+
+    x    = RMSNorm_unweighted(flatten(X))                  [n D]    (eps = norm_eps)
+    m    = fn . x                                          [(2 + n) n] = [m_pre | m_post | m_comb]
+    pre  = sigmoid(scale[0] m_pre  + base_pre)  + eps      [n]
+    post = 2 sigmoid(scale[1] m_post + base_post)          [n]
+    comb = softmax_row(scale[2] m_comb + base_comb) + eps  [n, n]
+    comb = comb / (column sums + eps); then (sinkhorn_iters - 1) times: rows, then columns, likewise
+    collapsed = sum_j pre_j X_j                            [D]      (the sub-layer's input)
+
+The head (``DeepseekV4HyperHead``) is the ``pre`` part alone: ``fn`` [n, n D], ``base`` [n], ``scale`` [1],
+``collapsed = sum_j pre_j X_j`` with ``pre = sigmoid(scale[0] (fn . x) + base) + eps``. The mixing step that
+follows the sub-layer, ``post ⊗ f + comb^T X``, is the op of ``hyper_mix.py``.
+
+Two entry points, :func:`hyper_connection` and :func:`hyper_head`, each with three implementations:
+
+=================  ==========================================================================================
+backend            implementation
+=================  ==========================================================================================
+``"reference"``    :func:`hyper_connection_reference` / :func:`hyper_head_reference`: the formulas above as
+                   transformers writes them (the Sinkhorn loop, a loop over the streams for the collapse);
+                   autograd differentiates them (every order). The oracle.
+``"torch"``        :func:`hyper_connection_torch` / :func:`hyper_head_torch`: vectorised, plain autograd
+                   (every order). The norm is applied after the projection (``m = rstd * (fn . X)``: no
+                   normalised copy of the streams) and the Sinkhorn iterations update two scaling vectors,
+                   ``comb = A / (u v^T)`` with ``u = A v^-1 + eps u`` and ``v = A^T u^-1 + eps v`` (one
+                   batched matrix-vector product and one reciprocal per half-step; the same function as the
+                   loop, which normalises the whole matrix twice per iteration).
+``"triton"``       ``mhc_triton.triton_hyper_connection``: fused kernels (projection with the norm, weights
+                   with the Sinkhorn iterations and the collapse; a backward that recomputes the iterations)
+                   for CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``). First-order only: a backward
+                   with ``create_graph=True`` raises a RuntimeError naming the other backends. Routed to
+                   ``"torch"``: float64 work, more than ``TRITON_MAX_STREAMS`` streams, empty inputs.
+=================  ==========================================================================================
+
+Which one runs (:func:`resolve_backend`): the ``backend`` argument, else ``$DEPTHFUSION_BACKEND``, else the
+model config's ``op_backend`` (a model passes it), else automatic (Triton for CUDA tensors when it imports,
+else PyTorch).
+
+Dtypes, decided here for every backend: the weights (``pre``, ``post``, ``comb``) are computed and returned in
+float32 whatever the streams' dtype (float64 when the streams or a parameter are float64): the paper keeps the
+mHC arithmetic in fp32. ``collapsed`` is accumulated in that dtype and rounded once to the streams' dtype.
+Autocast does not change either (it is disabled inside the op): the projection is part of the fp32 weight
+computation, not a matmul autocast should lower, and under autocast an fp32 model's streams stay fp32, as a
+Llama's residual does (``x + f(x)`` promotes).
+
+This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next to the
+model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+"""
+
+import contextlib
+import logging
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+# Copied from depthfusion_hf.models.denseformer.dwa.triton_unavailable
+def triton_unavailable(*_args: object) -> bool:
+    """Stands in for the kernel module's availability checks when it does not import: the kernel runs nowhere."""
+    return False
+
+
+try:  # Triton is optional: the model loads and runs without it.
+    from .mhc_triton import (
+        MHC_TRITON_DTYPES,
+        TRITON_MAX_STREAMS,
+        mhc_triton_available,
+        mhc_triton_runs_on,
+        triton_hyper_connection,
+    )
+except Exception:  # pragma: no cover - depends on the environment
+    MHC_TRITON_DTYPES = ()
+    TRITON_MAX_STREAMS = 0
+    triton_hyper_connection = None
+    mhc_triton_available = mhc_triton_runs_on = triton_unavailable
+
+
+BACKENDS = ("reference", "torch", "triton")
+BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
+# The dtypes every path computes correctly; others are rejected, not rounded.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# Copied from depthfusion_hf.models.denseformer.dwa.resolve_backend with _forward_backward->, dwa_->mhc_
+def resolve_backend(backend: str | None, device: torch.device, config_backend: str | None = None) -> str:
+    """Pick the implementation of the op: the one place that decides.
+
+    ========================  =====================================================================
+    precedence                where it comes from
+    ========================  =====================================================================
+    1. ``backend``            the op's ``backend=`` argument
+    2. ``$DEPTHFUSION_BACKEND``  the environment variable (an override for a whole process)
+    3. ``config_backend``     the model config's ``op_backend`` field (a model passes it)
+    4. automatic              Triton for CUDA tensors when the kernel imports, else PyTorch
+    ========================  =====================================================================
+
+    A model calls this once per forward pass and device with ``backend=None``; that choice is logged at DEBUG
+    (an explicit ``backend`` is not logged: ops called with a resolved backend stay silent).
+
+    Args:
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
+        device: the device of the op's tensors.
+        config_backend: the config's ``op_backend`` (same values), used when neither ``backend`` nor the
+            environment variable is set.
+    Returns:
+        ``"reference"``, ``"torch"`` or ``"triton"``.
+    Raises:
+        ValueError: for an unknown name, or ``"triton"`` where the kernel cannot run (no Triton, or
+            tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
+    """
+    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR) or config_backend or "auto"
+    if not isinstance(choice, str):
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS} or None; got {choice!r}")
+    choice = choice.lower()
+    if choice == "auto":
+        use_triton = device.type == "cuda" and mhc_triton_available()
+        choice = "triton" if use_triton else "torch"
+    elif choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
+    elif choice == "triton" and not mhc_triton_available():
+        raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
+    elif choice == "triton" and not mhc_triton_runs_on(device):
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
+        )
+    if backend is None:
+        logger.debug("%s: backend %r on %s", __name__, choice, device)
+    return choice
+
+
+def weight_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype of the mHC weight arithmetic: float64 when any input is float64, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context that turns autocast off for ``device_type`` where it is on (a no-op context elsewhere)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def check_tensor(name: str, value, shape: tuple[int, ...] | None, device: torch.device | None, layout: str) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a floating tensor of ``shape`` (None: any shape) on
+    ``device`` (None: any device)."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor {layout}; got {type(value).__name__}")
+    if value.dtype not in DTYPES:
+        raise ValueError(f"{name} must have a floating-point dtype in {DTYPES}; got {value.dtype}")
+    if shape is not None and tuple(value.shape) != shape:
+        raise ValueError(f"{name} must have shape {layout} = {shape}; got {tuple(value.shape)}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} must be on the streams' device {device}; got {value.device}")
+
+
+def check_positive(name: str, value) -> None:
+    """Raise a ValueError naming ``name`` unless it is a finite real number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
+
+
+def check_streams(streams) -> tuple[int, int, int, int]:
+    """Raise a ValueError unless ``streams`` is a floating [B, T, n, D] tensor with n, D >= 1; returns its shape."""
+    check_tensor("streams", streams, None, None, "[B, T, n, D]")
+    if streams.dim() != 4 or streams.shape[2] < 1 or streams.shape[3] < 1:
+        raise ValueError(f"streams must have shape [B, T, n, D] with n, D >= 1; got {tuple(streams.shape)}")
+    return tuple(streams.shape)
+
+
+def check_hyper_connection_inputs(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, head: bool) -> None:
+    """Raise a ValueError naming the argument unless every backend computes these inputs correctly.
+
+    Attribute reads only (no host synchronisation): a model calls the op twice per layer.
+    """
+    _, _, n, dim = check_streams(streams)
+    rows = n if head else (2 + n) * n
+    layout = "[n]" if head else "[(2 + n) n]"
+    check_tensor("fn", fn, (rows, n * dim), streams.device, layout[:-1] + ", n D]")
+    check_tensor("base", base, (rows,), streams.device, layout)
+    check_tensor("scale", scale, (1,) if head else (3,), streams.device, "[1]" if head else "[3]")
+    if not head and (isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1):
+        raise ValueError(f"sinkhorn_iters must be an integer >= 1; got {sinkhorn_iters!r}")
+    check_positive("eps", eps)
+    check_positive("norm_eps", norm_eps)
+
+
+def _triton_computes(streams: torch.Tensor, dtype: torch.dtype) -> bool:
+    """True when the Triton kernels compute these inputs: fp32 weight arithmetic, a kernel dtype, few enough streams."""
+    return (dtype == torch.float32 and streams.dtype in MHC_TRITON_DTYPES and streams.numel() > 0
+            and streams.shape[2] <= TRITON_MAX_STREAMS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reference
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hyper_connection_weights_reference(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    sinkhorn_iters: int, eps: float, norm_eps: float, head: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(pre, post, comb)`` as transformers' ``DeepseekV4HyperConnection`` (``head``: ``DeepseekV4HyperHead``,
+    ``post`` and ``comb`` None) computes them, in :func:`weight_dtype`.
+
+    Args:
+        streams: [B, T, n, D]. fn: [(2 + n) n, n D] ([n, n D] for the head). base: [(2 + n) n] ([n]).
+        scale: [3] ([1]). sinkhorn_iters: >= 1. eps: hc_eps. norm_eps: the streams' RMSNorm epsilon.
+    Returns:
+        pre [B, T, n], post [B, T, n], comb [B, T, n, n] (rows: the stream read, columns: the stream written).
+    """
+    n = streams.shape[-2]
+    dtype = weight_dtype(streams, fn, base, scale)
+    flat = streams.flatten(-2).to(dtype)  # (B, T, nD)
+    x = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = F.linear(x, fn.to(dtype))  # (B, T, (2 + n) n)
+    base, scale = base.to(dtype), scale.to(dtype)
+    if head:
+        return torch.sigmoid(mixes * scale[0] + base) + eps, None, None
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def collapse_reference(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``sum_j pre_j X_j`` over the streams, accumulated in pre's dtype and rounded once: [B, T, D]."""
+    out = pre[..., 0, None] * streams[..., 0, :].to(pre.dtype)
+    for j in range(1, streams.shape[-2]):
+        out = out + pre[..., j, None] * streams[..., j, :].to(pre.dtype)
+    return out.to(streams.dtype)
+
+
+def hyper_connection_reference(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps):
+    """The reference backend of :func:`hyper_connection`: ``(post, comb, collapsed)``."""
+    pre, post, comb = hyper_connection_weights_reference(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+    return post, comb, collapse_reference(streams, pre)
+
+
+def hyper_head_reference(streams, fn, base, scale, eps, norm_eps):
+    """The reference backend of :func:`hyper_head`: ``collapsed`` [B, T, D]."""
+    pre, _, _ = hyper_connection_weights_reference(streams, fn, base, scale, 1, eps, norm_eps, head=True)
+    return collapse_reference(streams, pre)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vectorised PyTorch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def sinkhorn_scalings(matrix: torch.Tensor, iters: int, eps: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The Sinkhorn loop of :func:`hyper_connection_weights_reference` on positive matrices ``A`` [N, n, n], kept as
+    scaling vectors: the result is ``A * r s^T``.
+
+    A column step ``M / (column sums + eps)`` of ``M = A * r s^T`` is ``v <- A^T r + eps v``, ``s = 1 / v``; a row
+    step is ``u <- A s + eps u``, ``r = 1 / u`` (``u = 1``, ``v`` = the column sums + eps after the first step):
+    the loop's function, computed on n-vectors (one batched matrix-vector product and one reciprocal per
+    half-step) instead of normalising the n x n matrix twice per iteration.
+
+    Returns:
+        ``(rows, cols)``: ``rows`` = [r_1 .. r_{iters-1}], ``cols`` = [s_0 .. s_{iters-1}], each [N, n, 1].
+    """
+    v = matrix.sum(1).unsqueeze(-1) + eps  # (N, n, 1)
+    rows, cols = [], [v.reciprocal()]
+    u = None
+    for _ in range(iters - 1):
+        product = torch.bmm(matrix, cols[-1])
+        u = product + eps if u is None else torch.add(product, u, alpha=eps)
+        rows.append(u.reciprocal())
+        v = torch.add(torch.bmm(matrix.transpose(1, 2), rows[-1]), v, alpha=eps)
+        cols.append(v.reciprocal())
+    return rows, cols
+
+
+def sinkhorn_vjp(grad: torch.Tensor, matrix: torch.Tensor, comb: torch.Tensor, rows: list[torch.Tensor],
+                 cols: list[torch.Tensor], eps: float) -> torch.Tensor:
+    """d loss / d A for ``comb = A * r s^T`` (:func:`sinkhorn_scalings`), given d loss / d comb = ``grad``, [N, n, n]:
+    the scaling-vector recursion run backwards (differentiable torch ops). Each half-step adds an outer product
+    to d A; they are collected and summed by one batched product at the end."""
+    r, s = (rows[-1] if rows else None), cols[-1]
+    weighted = grad * comb
+    d_matrix = grad * (s.transpose(1, 2) if r is None else r * s.transpose(1, 2))
+    d_v = -weighted.sum(1).unsqueeze(-1) * s
+    d_u = -weighted.sum(2, keepdim=True) * r if r is not None else None
+    lefts, rights = [], []  # d A += lefts[i] rights[i]^T
+    for k in range(len(rows) - 1, -1, -1):
+        r, s = rows[k], cols[k]  # r_{k+1}, s_k
+        # v_{k+1} = A^T r_{k+1} + eps v_k
+        lefts.append(r)
+        rights.append(d_v)
+        d_u = torch.addcmul(d_u, torch.bmm(matrix, d_v), r * r, value=-1)
+        d_v = eps * d_v
+        # u_{k+1} = A s_k + eps u_k
+        lefts.append(d_u)
+        rights.append(s)
+        d_v = torch.addcmul(d_v, torch.bmm(matrix.transpose(1, 2), d_u), s * s, value=-1)
+        d_u = eps * d_u
+    d_matrix = d_matrix + d_v.transpose(1, 2)  # v_0 = the column sums of A + eps
+    if lefts:
+        d_matrix = torch.baddbmm(d_matrix, torch.cat(lefts, dim=2), torch.cat(rights, dim=2).transpose(1, 2))
+    return d_matrix
+
+
+def _project(streams: torch.Tensor, fn: torch.Tensor, dtype: torch.dtype, norm_eps: float):
+    """``(x [N, nD], rstd [N, 1], m [N, rows])`` with ``m = rstd * (x fn^T) = fn . RMSNorm(x)`` (no normalised copy)."""
+    x = streams.reshape(-1, streams.shape[-2] * streams.shape[-1]).to(dtype)  # a view for contiguous streams in dtype
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+    return x, rstd, torch.mm(x, fn.to(dtype).t()) * rstd
+
+
+def _weights(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float, head: bool):
+    """``(gates, A, rows, cols)`` from the projections m [N, rows]: gates = the sigmoids of pre (and post) [N, 1 or 2,
+    n]; A = softmax + eps [N, n, n] and its Sinkhorn scalings (``None, [], []`` for the head)."""
+    if head:
+        return torch.sigmoid(torch.addcmul(base, m, scale)).unsqueeze(1), None, [], []
+    gates = torch.sigmoid(torch.addcmul(base[: 2 * n].view(2, n), m[:, : 2 * n].view(-1, 2, n), scale[:2, None]))
+    logits = torch.addcmul(base[2 * n:].view(n, n), m[:, 2 * n:].view(-1, n, n), scale[2])
+    matrix = torch.softmax(logits, dim=-1) + eps
+    return gates, matrix, *sinkhorn_scalings(matrix, iters, eps)
+
+
+def _comb(matrix: torch.Tensor, rows: list[torch.Tensor], cols: list[torch.Tensor]) -> torch.Tensor:
+    """``A * r s^T``, the Sinkhorn result."""
+    return matrix * cols[-1].transpose(1, 2) if not rows else matrix * (rows[-1] * cols[-1].transpose(1, 2))
+
+
+class _HyperConnection(torch.autograd.Function):
+    """The torch backend of :func:`hyper_connection` (and of :func:`hyper_head`, ``head=True``).
+
+    Forward as :func:`_project` / :func:`_weights`, then ``collapsed = pre . X`` (one [1, n] x [n, D] product per
+    token). It saves the inputs and the small per-token pieces (m, rstd, the gates, A and the Sinkhorn scaling
+    vectors). The backward is the chain rule written out in torch ops: the Sinkhorn recursion backwards
+    (:func:`sinkhorn_vjp`), the softmax and sigmoids, then the projection with its norm, ``dX = dp fn - c x +
+    pre ⊗ g`` in one ``addmm`` and one multiply-add, and ``dfn = dp^T x``. Under ``create_graph=True`` the pieces
+    are recomputed from the saved inputs with autograd recording, so every order of derivative is exact.
+    """
+
+    @staticmethod
+    def forward(ctx, streams, fn, base, scale, iters: int, eps: float, norm_eps: float, head: bool):
+        dtype = weight_dtype(streams, fn, base, scale)
+        n = streams.shape[-2]
+        x, rstd, m = _project(streams, fn, dtype, norm_eps)
+        gates, matrix, rows, cols = _weights(m, base.to(dtype), scale.to(dtype), n, iters, eps, head)
+        pre = gates[:, 0] + eps  # (N, n)
+        collapsed = torch.bmm(pre.unsqueeze(1), x.view(-1, n, streams.shape[-1])).view(*streams.shape[:2], -1)
+        ctx.settings = (iters, eps, norm_eps, head, len(rows))
+        ctx.save_for_backward(streams, fn, base, scale, m, rstd, gates, *([] if head else [matrix, *rows, *cols]))
+        collapsed = collapsed.to(streams.dtype)
+        if head:
+            return collapsed
+        post = 2 * gates[:, 1].view(*streams.shape[:3])
+        return post, _comb(matrix, rows, cols).view(*streams.shape[:3], n), collapsed
+
+    @staticmethod
+    def backward(ctx, *grads):
+        iters, eps, norm_eps, head, num_rows = ctx.settings
+        streams, fn, base, scale, m, rstd, gates, *sinkhorn = ctx.saved_tensors
+        dtype = weight_dtype(streams, fn, base, scale)
+        batch, tokens, n, dim = streams.shape
+        base_w, scale_w, fn_w = base.to(dtype), scale.to(dtype), fn.to(dtype)
+        if torch.is_grad_enabled():  # create_graph: recompute from the inputs so that the graph reaches them
+            x, rstd, m = _project(streams, fn, dtype, norm_eps)
+            gates, matrix, rows, cols = _weights(m, base_w, scale_w, n, iters, eps, head)
+        else:
+            x = streams.reshape(-1, n * dim).to(dtype)
+            if not head:
+                matrix, rows, cols = sinkhorn[0], sinkhorn[1:1 + num_rows], sinkhorn[1 + num_rows:]
+        g_collapsed = grads[-1].reshape(-1, dim).to(dtype)  # (N, D)
+        sig_pre = gates[:, 0]
+        d_pre = torch.linalg.vecdot(x.view(-1, n, dim), g_collapsed.unsqueeze(1))  # (N, n)
+        d_z = d_pre * sig_pre * (1 - sig_pre)  # through pre = sigmoid(z_pre) + eps
+        if not head:
+            g_post = grads[0].reshape(-1, n).to(dtype)
+            sig_post = gates[:, 1]
+            d_z_post = 2 * g_post * sig_post * (1 - sig_post)
+            d_matrix = sinkhorn_vjp(grads[1].reshape(-1, n, n).to(dtype), matrix, _comb(matrix, rows, cols), rows,
+                                    cols, eps)
+            soft = matrix - eps  # the softmax
+            d_z_comb = soft * (d_matrix - (d_matrix * soft).sum(-1, keepdim=True))
+            d_z = torch.cat([d_z, d_z_post, d_z_comb.flatten(1)], dim=1)  # (N, (2 + n) n), laid out as fn's rows
+        groups = [n] if head else [n, n, n * n]
+        d_scale = torch.stack([part.sum() for part in (d_z * m).split(groups, dim=1)])
+        d_m = d_z * torch.cat([scale_w[i].expand(size) for i, size in enumerate(groups)])
+        d_p = d_m * rstd  # gradient of p = x fn^T
+        d_streams = d_fn = None
+        if ctx.needs_input_grad[0]:
+            # x -> m = rstd * p: dx = dp fn - (sum_r dm_r m_r) rstd^2 x / (nD); plus the collapse's pre ⊗ g
+            coefficient = (d_m * m).sum(-1, keepdim=True) * rstd.square() * (-1.0 / (n * dim))
+            outer = (sig_pre + eps).unsqueeze(-1) * g_collapsed.unsqueeze(1)  # (N, n, D)
+            d_x = torch.addmm(outer.view(-1, n * dim), d_p, fn_w)
+            d_streams = d_x.addcmul_(x, coefficient).view(batch, tokens, n, dim).to(streams.dtype)
+        if ctx.needs_input_grad[1]:
+            d_fn = torch.mm(d_p.t(), x).to(fn.dtype)
+        return d_streams, d_fn, d_z.sum(0).to(base.dtype), d_scale.to(scale.dtype), None, None, None, None
+
+
+def hyper_connection_torch(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps):
+    """The vectorised PyTorch backend of :func:`hyper_connection` (:class:`_HyperConnection`)."""
+    return _HyperConnection.apply(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, False)
+
+
+def hyper_head_torch(streams, fn, base, scale, eps, norm_eps):
+    """The vectorised PyTorch backend of :func:`hyper_head` (:class:`_HyperConnection` with ``head=True``)."""
+    return _HyperConnection.apply(streams, fn, base, scale, 1, eps, norm_eps, True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the entry points
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hyper_connection(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    sinkhorn_iters: int,
+    eps: float,
+    norm_eps: float,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights of one mHC sub-layer and its input, from the streams (see the module docstring).
+
+    Differentiable in every tensor argument (every order on ``"reference"`` and ``"torch"``, first order on
+    ``"triton"``).
+
+    Args:
+        streams: [B, T, n, D], any strides; float16, bfloat16, float32 or float64.
+        fn: [(2 + n) n, n D], the projection; rows ``[pre (n) | post (n) | comb (n x n, row-major)]``.
+        base: [(2 + n) n], the biases, laid out like ``fn``'s rows.
+        scale: [3], the scales of pre, post and comb.
+        sinkhorn_iters: Sinkhorn-Knopp iterations, >= 1.
+        eps: ``hc_eps`` (> 0): added to ``pre``, to ``comb`` after its softmax and to each Sinkhorn denominator.
+        norm_eps: the epsilon of the streams' unweighted RMSNorm (> 0; the model's ``rms_norm_eps``).
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (see :func:`resolve_backend`).
+    Returns:
+        ``(post, comb, collapsed)``: post [B, T, n] and comb [B, T, n, n] in float32 (float64 when an input is
+        float64); collapsed [B, T, D] in the streams' dtype. ``comb[..., j, k]`` weighs stream j in the new
+        stream k.
+    Raises:
+        ValueError: a shape, dtype or device that does not fit (naming the argument and the allowed values), a
+            non-positive ``eps`` / ``norm_eps``, ``sinkhorn_iters < 1``, or a backend that is unknown or cannot
+            run on the streams' device.
+    """
+    check_hyper_connection_inputs(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, head=False)
+    choice = resolve_backend(backend, streams.device)
+    eps, norm_eps = float(eps), float(norm_eps)
+    with autocast_off(streams.device.type):
+        if choice == "triton" and _triton_computes(streams, weight_dtype(streams, fn, base, scale)):
+            return triton_hyper_connection(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, head=False)
+        if choice == "reference":
+            return hyper_connection_reference(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+        return hyper_connection_torch(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+
+
+def hyper_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    eps: float,
+    norm_eps: float,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The mHC head: ``sum_j pre_j X_j`` with ``pre = sigmoid(scale (fn . RMSNorm(flatten(X))) + base) + eps``.
+
+    Args:
+        streams: [B, T, n, D] (as :func:`hyper_connection`).
+        fn: [n, n D]. base: [n]. scale: [1].
+        eps: ``hc_eps`` (> 0). norm_eps: the streams' RMSNorm epsilon (> 0).
+        backend: as :func:`hyper_connection`.
+    Returns:
+        [B, T, D] in the streams' dtype (weights in float32, float64 when an input is float64).
+    Raises:
+        ValueError: as :func:`hyper_connection`.
+    """
+    check_hyper_connection_inputs(streams, fn, base, scale, 1, eps, norm_eps, head=True)
+    choice = resolve_backend(backend, streams.device)
+    eps, norm_eps = float(eps), float(norm_eps)
+    with autocast_off(streams.device.type):
+        if choice == "triton" and _triton_computes(streams, weight_dtype(streams, fn, base, scale)):
+            return triton_hyper_connection(streams, fn, base, scale, 1, eps, norm_eps, head=True)
+        if choice == "reference":
+            return hyper_head_reference(streams, fn, base, scale, eps, norm_eps)
+        return hyper_head_torch(streams, fn, base, scale, eps, norm_eps)
+
+
+__all__ = [
+    "hyper_connection",
+    "hyper_connection_reference",
+    "hyper_connection_torch",
+    "hyper_connection_weights_reference",
+    "hyper_head",
+    "hyper_head_reference",
+    "hyper_head_torch",
+    "resolve_backend",
+    "sinkhorn_scalings",
+    "sinkhorn_vjp",
+]

@@ -1,0 +1,419 @@
+"""mHC: a Llama decoder whose residual is ``hc_mult`` streams joined by manifold-constrained Hyper-Connections
+(DeepSeek-V4; Xie et al., 2026).
+
+    X_0        = [e, e, ..., e]                                   the embedding copied n times   [n, D]
+    per sub-layer f (each attention and each MLP of layer l):
+      post, comb, u = hyper_connection(X)                         u = sum_j pre_j X_j            [D]
+      X           <- post ⊗ f(norm(u)) + comb^T X                 (hyper_mix)                    [n, D]
+    logits     = lm_head(norm(hyper_head(X)))                     hyper_head: sum_j pre_head_j X_j
+
+The attention, MLP, norms, rotary embeddings and attention backends are transformers' Llama ones, under their
+Llama names, so a Llama checkpoint converts by copying weights (``depthfusion_hf.convert.llama_to_mhc`` also
+chooses the hyper-connection parameters that make the converted model compute the Llama's logits, up to the
+RMSNorm epsilon and rounding). The hyper-connection parameters are transformers' ``DeepseekV4HyperConnection``
+and ``DeepseekV4HyperHead`` ones (same names, shapes and initialisation) and are kept in float32. Everything
+is per token, so cached decoding needs only the ordinary KV cache.
+"""
+
+import functools
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_mhc import MHCConfig
+from .hyper_connection import hyper_connection, hyper_connection_weights_reference, hyper_head, resolve_backend
+from .hyper_mix import hyper_mix
+
+
+# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.check_token_inputs
+def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
+    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
+
+    Args:
+        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
+        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+    Raises:
+        ValueError: unless exactly one of the two is given, it has the shape above with at least one
+            token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
+            which holds no values). On CUDA an id out of range fails asynchronously instead: a device-side assertion, raised as a RuntimeError at the next sync.
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
+    if tensor.dim() != rank:
+        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
+        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
+    if tensor.numel() == 0:
+        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
+    if input_ids is None:
+        return
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
+    if input_ids.device.type == "meta":
+        return  # no values to check: the meta device only sizes and plans models
+    out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
+    if input_ids.device.type == "cuda":
+        # No host sync per forward (it would stall every training and decoding step): the check runs on the
+        # device and fails the next synchronising call with this message.
+        torch._assert_async(~out_of_range, f"input_ids must lie in [0, vocab_size={vocab_size})")
+    elif bool(out_of_range):
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
+            f"max {int(input_ids.max())}"
+        )
+
+
+# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.prepare_decoder_inputs
+def prepare_decoder_inputs(
+    model: nn.Module,
+    input_ids: torch.LongTensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor | None,
+    cache: Cache | None,
+    inputs_embeds: torch.Tensor | None,
+    use_cache: bool | None,
+) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    """The Llama decoder preamble shared by the family models: check and embed the tokens, make the cache,
+    positions, causal mask and rotary embeddings.
+
+    Args:
+        model: the decoder (with ``config``, ``embed_tokens`` and ``rotary_emb``).
+        input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
+        attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
+        position_ids: [B, T]; by default continue from the cache length.
+        cache: a transformers ``Cache``; a ``DynamicCache`` is made when none is given and ``use_cache``.
+    Returns:
+        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, the causal mask for the layers,
+        the rotary (cos, sin), each [B or 1, T, head_dim]).
+    """
+    check_token_inputs(input_ids, inputs_embeds, model.config.vocab_size)
+    if inputs_embeds is None:
+        inputs_embeds = model.embed_tokens(input_ids)  # (B, T, D)
+    if use_cache and cache is None:
+        cache = DynamicCache(config=model.config)
+    if position_ids is None:
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        position_ids = position_ids.unsqueeze(0)
+
+    causal_mask = create_causal_mask(
+        config=model.config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        cache=cache,
+        position_ids=position_ids,
+    )
+    position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
+    return inputs_embeds, position_ids, cache, causal_mask, position_embeddings
+
+
+class MHCHyperConnection(nn.Module):
+    """The hyper-connection in front of one sub-layer (transformers' ``DeepseekV4HyperConnection``'s parameters).
+
+    Parameters (float32): ``fn`` [(2 + n) n, n D], rows ``[pre | post | comb]``; ``base`` [(2 + n) n];
+    ``scale`` [3] (pre, post, comb).
+    """
+
+    def __init__(self, config: MHCConfig):
+        super().__init__()
+        n, rows = config.hc_mult, (2 + config.hc_mult) * config.hc_mult
+        self.hc_mult = n
+        self.sinkhorn_iters = config.hc_sinkhorn_iters
+        self.eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        # fp32 whatever the model's dtype (the paper's; from_pretrained(dtype=...) keeps them too, see
+        # MHCPreTrainedModel._keep_in_fp32_modules_strict).
+        self.fn = nn.Parameter(torch.empty(rows, n * config.hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty(rows, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor, backend: str | None = None):
+        """streams [B, T, n, D] -> ``(post [B, T, n], comb [B, T, n, n], collapsed [B, T, D])``."""
+        return hyper_connection(streams, self.fn, self.base, self.scale, sinkhorn_iters=self.sinkhorn_iters,
+                                eps=self.eps, norm_eps=self.norm_eps, backend=backend)
+
+    def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(pre, post, comb)`` for streams [B, T, n, D] (the reference formulas; for analysis)."""
+        return hyper_connection_weights_reference(streams, self.fn, self.base, self.scale, self.sinkhorn_iters,
+                                                  self.eps, self.norm_eps)
+
+    def extra_repr(self) -> str:
+        return f"hc_mult={self.hc_mult}, sinkhorn_iters={self.sinkhorn_iters}, eps={self.eps}"
+
+
+class MHCHyperHead(nn.Module):
+    """The final collapse of the streams (transformers' ``DeepseekV4HyperHead``'s parameters, float32):
+    ``hc_fn`` [n, n D], ``hc_base`` [n], ``hc_scale`` [1]."""
+
+    def __init__(self, config: MHCConfig):
+        super().__init__()
+        n = config.hc_mult
+        self.hc_mult = n
+        self.eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(n, n * config.hidden_size, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        """streams [B, T, n, D] -> [B, T, D]."""
+        return hyper_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.eps, norm_eps=self.norm_eps,
+                          backend=backend)
+
+    def weights(self, streams: torch.Tensor) -> torch.Tensor:
+        """``pre`` [B, T, n] of the head for streams [B, T, n, D] (the reference formula; for analysis)."""
+        return hyper_connection_weights_reference(streams, self.hc_fn, self.hc_base, self.hc_scale, 1, self.eps,
+                                                  self.norm_eps, head=True)[0]
+
+
+class MHCDecoderLayer(LlamaDecoderLayer):
+    """A Llama block (attention, MLP, their norms) whose two residual connections are hyper-connections.
+
+    Maps streams [B, T, n, D] to streams [B, T, n, D].
+    """
+
+    def __init__(self, config: MHCConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.attn_hc = MHCHyperConnection(config)
+        self.ffn_hc = MHCHyperConnection(config)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        hc_backend: str | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        # Differs from Llama: each sub-layer reads the streams collapsed by `pre` (not the residual) and its output
+        # is spread over the streams by `post` and added to the streams mixed by `comb` (not to the residual).
+        post, comb, collapsed = self.attn_hc(hidden_states, hc_backend)
+        attn_output, _ = self.self_attn(
+            hidden_states=self.input_layernorm(collapsed),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = hyper_mix(hidden_states, attn_output, post, comb, backend=hc_backend)
+        post, comb, collapsed = self.ffn_hc(hidden_states, hc_backend)
+        mlp_output = self.mlp(self.post_attention_layernorm(collapsed))
+        return hyper_mix(hidden_states, mlp_output, post, comb, backend=hc_backend)
+
+
+class MHCPreTrainedModel(LlamaPreTrainedModel):
+    """Weight initialisation and the transformers capabilities shared by mHC models (Llama's, plus the
+    hyper-connections, initialised as transformers' DeepSeek-V4 and kept in float32)."""
+
+    config: MHCConfig
+    config_class = MHCConfig
+    _no_split_modules = ["MHCDecoderLayer"]
+    _keep_in_fp32_modules_strict = ["attn_hc", "ffn_hc", "hc_head"]
+    _can_record_outputs = {
+        "hidden_states": MHCDecoderLayer,
+        "attentions": LlamaAttention,
+    }
+
+    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerPreTrainedModel.__init__ with DenseFormer->MHC  # noqa: E501
+    def __init__(self, config: MHCConfig, *inputs, **kwargs):
+        config.check_fields()  # a field changed after construction gets the construction error
+        super().__init__(config, *inputs, **kwargs)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        # transformers' DeepSeek-V4 init (init.* leaves parameters loaded from a checkpoint untouched).
+        std = self.config.initializer_range
+        if isinstance(module, MHCHyperConnection):
+            init.normal_(module.fn, mean=0.0, std=std)
+            init.zeros_(module.base)
+            init.ones_(module.scale)
+        elif isinstance(module, MHCHyperHead):
+            init.normal_(module.hc_fn, mean=0.0, std=std)
+            init.zeros_(module.hc_base)
+            init.ones_(module.hc_scale)
+
+
+class MHCModel(MHCPreTrainedModel):
+    """The mHC decoder stack: embeddings copied into n streams, Llama blocks joined by hyper-connections, the
+    head collapse and the final norm.
+
+    Returns ``BaseModelOutputWithPast`` whose ``last_hidden_state`` is ``norm(hyper_head(X_L))``: [B, T, D]. With
+    ``output_hidden_states=True`` entry 0 is the input streams (the embedding copied n times) and entry i the
+    streams after layer i, each [B, T, n, D]; the last entry is ``last_hidden_state`` [B, T, D] (as
+    transformers' DeepSeek-V4).
+    """
+
+    def __init__(self, config: MHCConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [MHCDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.hc_head = MHCHyperHead(config)  # differs from Llama: the streams' final collapse
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        """Run the decoder.
+
+        Args:
+            input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
+            attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
+            position_ids: [B, T]; by default continue from the cache length.
+            cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
+            use_cache: build a ``DynamicCache`` when none is given.
+        """
+        inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
+            self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
+        )
+        backends: dict[torch.device, str] = {}  # resolved once per forward and device (layers may sit on several)
+
+        def backend_on(device: torch.device) -> str:
+            if device not in backends:
+                backends[device] = resolve_backend(None, device, self.config.op_backend)
+            return backends[device]
+
+        # Differs from Llama: the residual is hc_mult streams, each a copy of the embedding.
+        hidden_states = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)  # (B, T, n, D)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                hc_backend=backend_on(hidden_states.device),
+                **kwargs,
+            )
+        hidden_states = self.norm(self.hc_head(hidden_states, backend_on(hidden_states.device)))
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    @torch.no_grad()
+    def hyper_connection_weights(self, input_ids: torch.LongTensor,
+                                 attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The learned hyper-connection weights on a batch, averaged over its real tokens.
+
+        Args:
+            input_ids: [B, T] token ids.
+            attention_mask: [B, T], 1 for the tokens to average over (default: all).
+        Returns:
+            float32 tensors on the CPU: ``"pre"`` [L, 2, n] and ``"post"`` [L, 2, n] (sub-layer 0: the attention,
+            1: the MLP of each layer), ``"comb"`` [L, 2, n, n] (``comb[l, s, j, k]`` weighs stream j in the new
+            stream k) and ``"head"`` [n], the head's ``pre``.
+        """
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        token_weights = mask.to(torch.float64) / mask.sum()  # (B, T)
+        found: dict[str, list] = {"pre": [], "post": [], "comb": [], "head": []}
+
+        def average(values: torch.Tensor) -> torch.Tensor:  # (B, T, ...) -> (...)
+            weights = token_weights.to(values.device).view(*token_weights.shape, *([1] * (values.dim() - 2)))
+            return (values.double() * weights).sum(dim=(0, 1)).float().cpu()
+
+        def record(module, args, output, head: bool = False):
+            if head:
+                found["head"].append(average(module.weights(args[0])))
+                return
+            for key, values in zip(("pre", "post", "comb"), module.weights(args[0])):
+                found[key].append(average(values))
+
+        handles = [self.hc_head.register_forward_hook(functools.partial(record, head=True))]
+        for layer in self.layers:
+            handles += [layer.attn_hc.register_forward_hook(record), layer.ffn_hc.register_forward_hook(record)]
+        try:
+            self(input_ids=input_ids, attention_mask=attention_mask)
+        finally:
+            for handle in handles:
+                handle.remove()
+        layers, n = len(self.layers), self.config.hc_mult
+        return {
+            "pre": torch.stack(found["pre"]).view(layers, 2, n),
+            "post": torch.stack(found["post"]).view(layers, 2, n),
+            "comb": torch.stack(found["comb"]).view(layers, 2, n, n),
+            "head": found["head"][0],
+        }
+
+
+class MHCForCausalLM(MHCPreTrainedModel, LlamaForCausalLM):
+    """mHC with a language-modelling head; works with ``generate()`` and the transformers cache.
+
+    ``forward``, the embedding accessors and the tied-weight, tensor- and pipeline-parallel plans are
+    ``LlamaForCausalLM``'s.
+
+    Example:
+        >>> from depthfusion_hf import MHCConfig, MHCForCausalLM
+        >>> model = MHCForCausalLM(MHCConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+        ...     num_attention_heads=4, vocab_size=100, hc_mult=4))
+        >>> model.hyper_connection_weights(torch.tensor([[5, 6, 7]]))["comb"].shape
+        torch.Size([2, 2, 4, 4])
+    """
+
+    def __init__(self, config: MHCConfig):
+        # Past LlamaForCausalLM.__init__ (which builds a LlamaModel) to the pretrained-model base; the config is
+        # checked by MHCModel's (MHCPreTrainedModel's) __init__.
+        super(LlamaForCausalLM, self).__init__(config)
+        self.model = MHCModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def hyper_connection_weights(self, input_ids: torch.LongTensor,
+                                 attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The learned hyper-connection weights averaged over a batch's real tokens (see ``MHCModel``'s)."""
+        return self.model.hyper_connection_weights(input_ids, attention_mask)
+
+
+__all__ = [
+    "MHCDecoderLayer",
+    "MHCForCausalLM",
+    "MHCHyperConnection",
+    "MHCHyperHead",
+    "MHCModel",
+    "MHCPreTrainedModel",
+]
