@@ -91,28 +91,27 @@ def make_case(case: dict) -> tuple[torch.Tensor | list[torch.Tensor], list[torch
 def rounding_bound(backend: str, sources, weights, grad_out) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Worst-case error bounds (float64, elementwise) of ``y``, each ``dx_n`` and ``dw``.
 
-    Every path rounds each weight at most once (to the accumulation dtype), each product and each of
-    the N - 1 (output) or M - 1 (weight gradient) partial sums at most once in its accumulation dtype
-    (fp32 for half-precision states, except the reference loop, which accumulates in the states'
-    dtype), and the result once to its dtype; each rounding's error is at most the unit roundoff times
-    the magnitude of the rounded value, which is at most the sum of the magnitudes of its terms.
+    Every path computes in the promoted dtype of the states and weights (the output's dtype) and accumulates in
+    fp32 (float64 for float64): each weight and source converts exactly, each product and each of the N - 1
+    (output) or M - 1 (weight gradient) partial sums is rounded at most once in the accumulation dtype, and the
+    result once to its dtype (a source gradient ``w_n g`` to the source's dtype, ``dw`` to the weights'); each
+    rounding's error is at most the unit roundoff times the magnitude of the rounded value, which is at most
+    the sum of the magnitudes of its terms. ``backend`` does not change the bound.
     """
-    dtype, n = sources[0].dtype, len(sources)
-    half = dtype in (torch.float16, torch.bfloat16)
-    u_out = unit_roundoff(dtype)
-    u_acc = u_out if backend == "reference" or not half else unit_roundoff(torch.float32)
-    u_w = unit_roundoff(weights.dtype)
-    tiny = subnormal_spacing(dtype)
+    n = len(sources)
+    out_dtype = torch.promote_types(sources[0].dtype, weights.dtype)
+    acc_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+    u_out, u_acc = unit_roundoff(out_dtype), unit_roundoff(acc_dtype)
+    u_x, u_w = unit_roundoff(sources[0].dtype), unit_roundoff(weights.dtype)
     xs = [x.detach().double() for x in sources]
     w = weights.detach().double()
     g = grad_out.double()
     terms = sum(w[i].abs() * xs[i].abs() for i in range(n))  # sum_n |w_n x_n|, elementwise
-    bound_y = (n + 2) * u_acc * terms + u_out * terms + (n + 2) * tiny
-    bound_dx = [(2 * u_out + 2 * u_acc) * (w[i] * g).abs() + 2 * tiny for i in range(n)]
+    bound_y = (n + 2) * u_acc * terms + u_out * terms + (n + 2) * subnormal_spacing(out_dtype)
+    bound_dx = [(u_x + 2 * u_acc) * (w[i] * g).abs() + 2 * subnormal_spacing(sources[0].dtype) for i in range(n)]
     m = max(g.numel(), 1)
     dot_terms = torch.stack([(g * x).abs().sum() for x in xs]) if g.numel() else torch.zeros(n, dtype=torch.float64)
-    # The reference's autograd rounds each product g * x to the states' dtype before summing.
-    bound_dw = (m + 2) * u_acc * dot_terms + 2 * u_out * dot_terms + u_w * dot_terms + m * tiny
+    bound_dw = (m + 2) * u_acc * dot_terms + u_w * dot_terms + m * subnormal_spacing(weights.dtype)
     return bound_y, bound_dx, bound_dw
 
 
@@ -134,8 +133,8 @@ def check_case(backend: str, case: dict) -> None:
         y = depth_weighted_average(states, weights, backend=backend)
     finally:
         dwa.SMALL_NUMEL = saved
-    assert y.shape == sources[0].shape and y.dtype == case["dtype"]
-    grads = torch.autograd.grad(y, [weights, *leaves], grad_out, allow_unused=False)
+    assert y.shape == sources[0].shape and y.dtype == torch.promote_types(case["dtype"], weights.dtype)
+    grads = torch.autograd.grad(y, [weights, *leaves], grad_out.to(y.dtype), allow_unused=False)
     dw, *dleaves = grads
     dxs = list(dleaves[0].unbind(0)) if case["layout"] == "stacked" else dleaves
     assert dw.dtype == weights.dtype and dw.shape == weights.shape
@@ -143,7 +142,7 @@ def check_case(backend: str, case: dict) -> None:
     # The definition in float64 on the same (already rounded) input values.
     xs64 = [x.detach().double() for x in sources]
     w64 = weights.detach().double()
-    g64 = grad_out.double()
+    g64 = grad_out.to(y.dtype).double()
     y_ref = sum(w64[i] * xs64[i] for i in range(len(xs64)))
     dw_ref = torch.stack([(g64 * x).sum() for x in xs64])
     bound_y, bound_dx, bound_dw = rounding_bound(backend, sources, weights, grad_out)

@@ -24,9 +24,9 @@ def _spy(monkeypatch) -> list[str]:
     """Record which implementation ``depth_weighted_average`` calls."""
     calls: list[str] = []
     ref, tor = dwa.dwa_reference, dwa.dwa_torch
-    monkeypatch.setattr(dwa, "dwa_reference", lambda s, w: calls.append("reference") or ref(s, w))
-    monkeypatch.setattr(dwa, "dwa_torch", lambda s, w: calls.append("torch") or tor(s, w))
-    monkeypatch.setattr(dwa, "triton_depth_weighted_average", lambda s, w: calls.append("triton") or tor(s, w))
+    monkeypatch.setattr(dwa, "dwa_reference", lambda s, w, d: calls.append("reference") or ref(s, w, d))
+    monkeypatch.setattr(dwa, "dwa_torch", lambda s, w, d: calls.append("torch") or tor(s, w, d))
+    monkeypatch.setattr(dwa, "triton_depth_weighted_average", lambda s, w, d: calls.append("triton") or tor(s, w, d))
     return calls
 
 

@@ -28,7 +28,7 @@ def kernel_calls(monkeypatch) -> list[int]:
     """Count the fused kernel's calls through the model's DWA core."""
     calls: list[int] = []
     kernel = dwa_triton.triton_depth_weighted_average
-    monkeypatch.setattr(dwa, "triton_depth_weighted_average", lambda s, w: calls.append(1) or kernel(s, w))
+    monkeypatch.setattr(dwa, "triton_depth_weighted_average", lambda s, w, d: calls.append(1) or kernel(s, w, d))
     return calls
 
 
@@ -99,3 +99,31 @@ def test_cached_greedy_generation_matches_torch_backend(monkeypatch, kernel_call
     top2 = scores_pt.topk(2, dim=-1).values
     assert bool(((top2[..., 0] - top2[..., 1]) > 1e3 * (scores_tr - scores_pt).abs().max()).all())
     assert torch.equal(runs["triton"].sequences, runs["torch"].sequences)
+
+
+def test_autocast_training_step_matches_torch_backend(monkeypatch, kernel_calls):
+    """bf16 autocast (a bf16 Trainer): the first DWA step reads the fp32 embedding, later ones fp32 and bf16 block
+    outputs mixed; the kernel gives the torch backend's loss and gradients. Both compute each DWA step in fp32
+    and round it once to bf16, but the interpreter's casts truncate: each of the d = 6 DWA outputs may shrink by
+    up to one bf16 ulp (eps relative), a bias that compounds over the steps: logits within d eps (measured
+    4.6 eps), gradients, which see the forward's and their own, within 2 d eps (measured <= 7 eps). On a GPU
+    both round to nearest."""
+    eps = torch.finfo(torch.bfloat16).eps
+    model = _model().train()
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    runs = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("DEPTHFUSION_BACKEND", backend)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = model(ids, labels=ids)
+        out.loss.backward()
+        runs[backend] = out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert len(kernel_calls) == len(model.model.dwa.steps)
+    (logits_tr, grads_tr), (logits_pt, grads_pt) = runs["triton"], runs["torch"]
+    assert logits_tr.dtype == torch.bfloat16
+    steps = len(model.model.dwa.steps)
+    assert rel_rms(logits_tr, logits_pt) <= steps * eps
+    for name in grads_pt:
+        assert grads_tr[name].dtype == torch.float32, name
+        assert rel_rms(grads_tr[name], grads_pt[name]) <= 2 * steps * eps, name

@@ -28,11 +28,9 @@ def torch_path(request, monkeypatch):
     return request.param
 
 
-# The paper's loop accumulates in the states' dtype: only the efficient paths promise fp32 accumulation
-# for bf16, so the loop is checked in fp32 only.
 @pytest.mark.parametrize(("backend", "dtype"), [("torch", torch.float32), ("torch", torch.bfloat16),
-                                                ("reference", torch.float32)], ids=["torch-fp32", "torch-bf16",
-                                                                                    "reference-fp32"])
+                                                ("reference", torch.float32), ("reference", torch.bfloat16)],
+                         ids=["torch-fp32", "torch-bf16", "reference-fp32", "reference-bf16"])
 @pytest.mark.parametrize(("n", "shape"), SHAPES, ids=[f"N{n}-S{'x'.join(map(str, s))}" for n, s in SHAPES])
 def test_forward_backward_matches_reference(n, shape, dtype, backend):
     sources, weights = make_inputs(n, shape, dtype, "cpu")
@@ -53,10 +51,13 @@ def test_non_contiguous_sources(dtype):
 
 
 def test_half_precision_gradient_is_rounded_once():
-    """``dx = w * g`` is computed with the fp32 weight and rounded once to bf16 (no double rounding)."""
-    sources, weights = make_inputs(3, (4096,), torch.bfloat16, "cpu")
+    """Under autocast with fp32 weights (a bf16 ``Trainer``): ``dx = w * g`` is computed with the fp32 weight and
+    rounded once to bf16 (no double rounding); the output is bf16, accumulated in fp32 and rounded once."""
+    sources, weights = make_inputs(3, (4096,), torch.bfloat16, "cpu", weight_dtype=torch.float32)
     g = torch.randn(4096).to(torch.bfloat16)
-    y = depth_weighted_average(sources, weights, backend="torch")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = depth_weighted_average(sources, weights, backend="torch")
+    assert y.dtype == torch.bfloat16
     _, *dxs = torch.autograd.grad(y, [weights, *sources], g)
     u = 2.0**-8  # bf16 unit roundoff
     for n, dx in enumerate(dxs):
@@ -70,8 +71,8 @@ def test_half_precision_gradient_is_rounded_once():
 
 def test_gradcheck_float64():
     sources, weights = make_inputs(4, (3, 5), torch.float64, "cpu")
-    assert torch.autograd.gradcheck(lambda w, *xs: dwa_torch(list(xs), w), (weights, *sources))
-    assert torch.autograd.gradgradcheck(lambda w, *xs: dwa_torch(list(xs), w), (weights, *sources))
+    assert torch.autograd.gradcheck(lambda w, *xs: dwa_torch(list(xs), w, torch.float64), (weights, *sources))
+    assert torch.autograd.gradgradcheck(lambda w, *xs: dwa_torch(list(xs), w, torch.float64), (weights, *sources))
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])
@@ -125,6 +126,19 @@ def test_no_grad_inference_matches(torch_path):
         y = depth_weighted_average(sources, weights, backend="torch")
     assert not y.requires_grad
     torch.testing.assert_close(y, sum(w * x.detach() for w, x in zip(weights.detach(), sources)))
+
+
+def test_mixed_source_dtypes_promote_without_autocast(torch_path):
+    """An fp32 source among bf16 ones (and fp32 weights): the output is fp32, each gradient in its source's dtype."""
+    sources, weights = make_inputs(3, (5, 40), torch.bfloat16, "cpu", weight_dtype=torch.float32)
+    sources[0] = sources[0].detach().float().requires_grad_(True)
+    y = depth_weighted_average(sources, weights, backend="torch")
+    assert y.dtype == torch.float32
+    grad_out = torch.randn(5, 40)
+    grads = torch.autograd.grad(y, [weights, *sources], grad_out)
+    y_ref = sum(w.double() * x.double() for w, x in zip(weights.detach(), sources))
+    assert rel_rms(y, y_ref) <= 1e-6
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
 
 
 def test_small_threshold_selects_the_path(monkeypatch):

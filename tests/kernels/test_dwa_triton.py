@@ -118,9 +118,10 @@ def test_matches_torch_backend_bf16():
     On a GPU the rounding is to nearest-even in both; the interpreter's fp32 -> bf16 cast truncates,
     so values agree to one bf16 ulp (rel-RMS ~ 2^-8) and the fp32 weight gradients to fp32 precision.
     """
-    sources, weights = make_inputs(7, (2, 3, 37), torch.bfloat16, DEVICE)
-    y_tr = depth_weighted_average(sources, weights, backend="triton")
-    y_pt = depth_weighted_average(sources, weights, backend="torch")
+    sources, weights = make_inputs(7, (2, 3, 37), torch.bfloat16, DEVICE, weight_dtype=torch.float32)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):  # bf16 output, fp32 weights (and their gradient)
+        y_tr = depth_weighted_average(sources, weights, backend="triton")
+        y_pt = depth_weighted_average(sources, weights, backend="torch")
     tol = 1e-3 if DEVICE == "cuda" else 8e-3
     assert 0 < rel_rms(y_tr, y_pt) <= tol or torch.equal(y_tr, y_pt)
     g = torch.randn_like(y_tr)
@@ -140,11 +141,80 @@ def test_bf16_weights():
     assert dw.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_mixed_dtype_sources_under_autocast(dtype):
+    """Under autocast an fp32 embedding is followed by half-precision block outputs: each source is read in its own
+    dtype (the old kernel read every pointer as the first source's dtype, and the op rejected the mix), the output
+    has the autocast dtype, each gradient its source's dtype; the same numbers as the reference backend."""
+    sources, weights = make_inputs(4, (5, 40), dtype, DEVICE, weight_dtype=torch.float32)
+    sources[0] = sources[0].detach().float().mul(3).requires_grad_(True)  # fp32, values not representable in dtype
+    grad_out = torch.randn(5, 40, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    results = {}
+    for backend in ("triton", "reference"):
+        with torch.autocast(DEVICE, dtype=dtype):
+            y = depth_weighted_average(sources, weights, backend=backend)
+        results[backend] = (y, *torch.autograd.grad(y, [weights, *sources], grad_out))
+    y_ref64 = sum(w.double() * x.double() for w, x in zip(weights.detach(), sources))
+    for backend, (y, dw, *dxs) in results.items():
+        assert y.dtype == dtype and dw.dtype == torch.float32, backend
+        assert [dx.dtype for dx in dxs] == [torch.float32] + [dtype] * 3, backend
+        assert rel_rms(y, y_ref64) <= TOL[dtype], backend
+    tri, ref = results["triton"], results["reference"]
+    # The interpreter's fp32 -> half casts truncate (one ulp); fp32 results agree to fp32 summation order.
+    assert rel_rms(tri[0], ref[0]) <= torch.finfo(dtype).eps
+    assert rel_rms(tri[1], ref[1]) <= 1e-6
+    assert rel_rms(tri[2], ref[2]) <= 1e-6  # the fp32 source's gradient: w * g stored in fp32
+    for a, b in zip(tri[3:], ref[3:]):
+        assert rel_rms(a, b) <= torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("n", [16, 17, 33, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_more_sources_than_one_launch_takes(n, dtype):
+    """More than ``SOURCES_PER_LAUNCH`` sources: chained launches carry an fp32 partial sum (a 1x1 DenseFormer of
+    48 blocks reads 49 sources); values and every gradient match the reference."""
+    sources, weights = make_inputs(n, (3, 37), dtype, DEVICE)
+    y = depth_weighted_average(sources, weights, backend="triton")
+    grad_out = torch.randn(3, 37, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    grads = torch.autograd.grad(y, [weights, *sources], grad_out)
+    assert_matches_reference(y, grads, sources, weights, grad_out)
+
+
+def test_launches_take_the_sources_as_arguments(monkeypatch):
+    """No table of data pointers is built on the host per call (a pageable int64 tensor copied every call cannot be
+    captured in a CUDA graph, breaks dynamo, and gives scalar loads): the sources themselves are the kernels'
+    pointer arguments, at most SOURCES_PER_LAUNCH per launch; every other argument is a tensor on the sources'
+    device (never int64) or a Python scalar."""
+    launches = []
+    for kernel in (dwa_triton.dwa_fwd_kernel, dwa_triton.dwa_bwd_kernel):
+
+        def run(*args, _original=kernel.run, _name=kernel.fn.__name__, **kwargs):
+            launches.append((_name, args))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", run)
+    sources, weights = make_inputs(20, (4, 33), torch.bfloat16, DEVICE)
+    created = []
+    tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: created.append(a) or tensor(*a, **k))
+    y = depth_weighted_average(sources, weights, backend="triton")
+    torch.autograd.grad(y, [weights, *sources], torch.ones_like(y))
+    assert created == []
+    assert [name for name, _ in launches] == ["dwa_fwd_kernel"] * 2 + ["dwa_bwd_kernel"] * 2
+    for kind in ("dwa_fwd_kernel", "dwa_bwd_kernel"):
+        passed = {a.data_ptr() for name, args in launches if name == kind for a in args[:16]}
+        assert passed == {x.data_ptr() for x in sources}, kind
+    for name, args in launches:
+        assert all(isinstance(a, (torch.Tensor, int, bool)) for a in args), name
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        assert all(t.device == sources[0].device and t.dtype != torch.int64 for t in tensors), name
+
+
 def test_float64_is_routed_to_pytorch_by_the_dispatcher():
     """The kernel rejects float64; the op (and the model's core) computes it on the PyTorch path."""
     sources, weights = make_inputs(3, (4, 9), torch.float64, DEVICE)
     with pytest.raises(ValueError, match="Triton DWA supports"):
-        dwa_triton.triton_depth_weighted_average(sources, weights)
+        dwa_triton.triton_depth_weighted_average(sources, weights, torch.float64)
     y = depth_weighted_average(sources, weights, backend="triton")
     grad_out = torch.randn(4, 9, dtype=torch.float64, device=DEVICE)
     grads = torch.autograd.grad(y, [weights, *sources], grad_out)
@@ -177,3 +247,29 @@ def test_dense_chain_matches_torch_backend(depth, dilation, period, dtype):
     assert abs(losses["triton"].item() - losses["torch"].item()) <= tol * abs(losses["torch"].item())
     for a, b in zip(grads["triton"], grads["torch"]):
         assert rel_rms(a, b) <= tol
+
+if dwa_triton.triton is not None:
+    tl = dwa_triton.tl
+
+    @dwa_triton.triton.jit
+    def _offsets_probe(p_out, pid, BLOCK: tl.constexpr):
+        tl.store(p_out + tl.arange(0, BLOCK), dwa_triton.block_offsets(pid, BLOCK))
+
+    @dwa_triton.triton.jit
+    def _int32_offsets_probe(p_out, pid, BLOCK: tl.constexpr):
+        tl.store(p_out + tl.arange(0, BLOCK), pid * BLOCK + tl.arange(0, BLOCK))
+
+
+def test_block_offsets_are_64_bit_past_2_to_the_31():
+    """A program's flat offsets past 2^31 (a [B, T, D] state of more than 2^31 elements) are exact; the same
+    product in int32 wraps (checked too, so that the probe can tell the two apart)."""
+    pid, block = 2**25 + 7, 64
+    expected = torch.arange(block, dtype=torch.int64) + pid * block
+    assert int(expected[0]) > 2**31
+    out = torch.zeros(block, dtype=torch.int64, device=DEVICE)
+    _offsets_probe[(1,)](out, pid, BLOCK=block)
+    assert torch.equal(out.cpu(), expected)
+    wrapped = torch.zeros(block, dtype=torch.int64, device=DEVICE)
+    _int32_offsets_probe[(1,)](wrapped, pid, BLOCK=block)
+    assert not torch.equal(wrapped.cpu(), expected)
+

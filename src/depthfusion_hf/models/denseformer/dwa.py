@@ -1,28 +1,39 @@
 """Depth-Weighted Average (DWA), the op behind DenseFormer: ``out = sum_n weights[n] * states[n]``.
 
-Three implementations behind :func:`depth_weighted_average`, one signature:
+One entry point, :func:`depth_weighted_average`, and three implementations behind it:
 
-- ``"reference"``: the paper's loop (Listing 1), obviously correct, autograd does the rest.
-- ``"torch"``: a custom autograd Function over the *list* of sources. It never stacks them (the
-  paper's package copies every block output into a pre-allocated accumulator and then runs
-  ``tensordot``); the backward saves only references to tensors that already exist.
-- ``"triton"``: a fused kernel (``dwa_triton.py``) for CUDA tensors, used when Triton imports.
+=================  ==========================================================================================
+backend            implementation
+=================  ==========================================================================================
+``"reference"``    :func:`dwa_reference`: the paper's loop (Listing 1); autograd differentiates it. The oracle.
+``"torch"``        :func:`dwa_torch`: one custom autograd Function over the *list* of sources (never stacked;
+                   the backward saves only references to the inputs and is written in differentiable torch
+                   ops, so ``create_graph=True`` works). Sources of at most ``SMALL_NUMEL`` elements (cached
+                   decoding) are stacked into one matrix-vector product there instead (two kernels, not N).
+``"triton"``       ``dwa_triton.triton_depth_weighted_average``: fused kernels for CUDA tensors (CPU tensors
+                   under ``TRITON_INTERPRET=1``); float64 is routed to ``"torch"`` (the kernels accumulate in
+                   fp32). fp32 runs on the kernel too: the op is memory-bound (elementwise FMAs, no tensor
+                   cores), so fp32 costs its bytes and nothing else (no TF32 question arises).
+=================  ==========================================================================================
 
-The backend is chosen by the ``backend`` argument, else the ``DEPTHFUSION_BACKEND`` environment
-variable, else automatically (Triton for CUDA tensors when available, PyTorch otherwise).
+Which one runs (:func:`resolve_backend`): the ``backend`` argument, else ``$DEPTHFUSION_BACKEND``, else the
+model config's ``op_backend``, else automatic (Triton for CUDA tensors when it imports, else PyTorch).
 
-One convention for every op of the package: the public :func:`depth_weighted_average` validates its
-inputs and resolves the backend; a model resolves the backend once per forward pass and device
-(:func:`resolve_backend`) and calls the unvalidated core :func:`dwa_with_backend`, which routes the
-inputs a kernel cannot compute (float64 on the Triton backend) to the PyTorch path. Every path
-supports second-order gradients (``create_graph=True``).
+One compute dtype, decided here for every backend (:func:`compute_dtype`): under autocast for the states'
+device type the autocast dtype (as for ``scaled_dot_product_attention``; float64 inputs, which autocast
+never lowers, keep float64), otherwise the promoted dtype of the states and weights. It is the output's
+dtype. Every path reads each source and weight in its own dtype, accumulates in fp32 (float64 when the
+compute dtype is float64) and rounds the sum once; a source's gradient ``w[n] * g`` is rounded once to that
+source's dtype, the weights' gradient to theirs. Sources may differ in dtype (under autocast an fp32
+embedding is followed by bf16 block outputs); nothing is cast or copied for that.
 
-This file must stay self-contained (only ``torch`` and same-folder relative imports): it is
-copied next to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next to
+the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -107,55 +118,86 @@ def _as_list(states: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor
         if states.dim() < 1:
             raise ValueError("states must have shape [N, *S]; got a 0-d tensor")
         return list(states.unbind(0))
-    sources = list(states)
-    for n, x in enumerate(sources):
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"states must be a tensor [N, *S] or a sequence of tensors; states[{n}] is {type(x)}")
-    return sources
+    return list(states)
 
 
 def _check_inputs(sources: list[torch.Tensor], weights: torch.Tensor) -> None:
-    """Raise a ValueError naming the problem unless the inputs are ones every backend computes correctly."""
+    """Raise a ValueError naming the problem unless every backend computes these inputs correctly.
+
+    Cheap (attribute reads only, no host synchronisation): a model calls the op once per DWA step.
+    """
     if len(sources) == 0:
         raise ValueError("states must hold at least one tensor (N >= 1)")
+    first = sources[0]
+    if not isinstance(first, torch.Tensor):
+        raise ValueError(f"states must be a tensor [N, *S] or a sequence of tensors; states[0] is {type(first)}")
+    shape, device = first.shape, first.device
+    for n, x in enumerate(sources):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"states must be a tensor [N, *S] or a sequence of tensors; states[{n}] is {type(x)}")
+        if x.shape != shape or x.device != device:
+            raise ValueError(
+                f"all states must share shape and device; states[0] is {tuple(shape)} on {device}, "
+                f"states[{n}] is {tuple(x.shape)} on {x.device}"
+            )
+        if x.dtype not in DTYPES:
+            raise ValueError(f"states must have a floating-point dtype in {DTYPES}; states[{n}] is {x.dtype}")
     if not isinstance(weights, torch.Tensor):
         raise ValueError(f"weights must be a tensor of shape [N]; got {type(weights)}")
     if weights.dim() != 1 or weights.shape[0] != len(sources):
         raise ValueError(
             f"weights must have shape [N] with N = number of states ({len(sources)}); got {tuple(weights.shape)}"
         )
-    first = sources[0]
-    for n, x in enumerate(sources):
-        if x.shape != first.shape or x.dtype != first.dtype or x.device != first.device:
-            raise ValueError(
-                f"all states must share shape, dtype and device; states[0] is {tuple(first.shape)} "
-                f"{first.dtype} {first.device}, states[{n}] is {tuple(x.shape)} {x.dtype} {x.device}"
-            )
-    if first.dtype not in DTYPES:
-        raise ValueError(f"states must have a floating-point dtype in {DTYPES}; got {first.dtype}")
     if weights.dtype not in DTYPES:
         raise ValueError(f"weights must be a floating-point tensor with a dtype in {DTYPES}; got {weights.dtype}")
-    if weights.device != first.device:
-        raise ValueError(f"weights must be on the states' device {first.device}; got {weights.device}")
+    if weights.device != device:
+        raise ValueError(f"weights must be on the states' device {device}; got {weights.device}")
 
 
-def dwa_reference(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """The paper's loop: ``sum_n weights[n] * sources[n]``.
+def compute_dtype(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.dtype:
+    """The op's one compute (and output) dtype, for every backend.
+
+    Under autocast for the states' device type: the autocast dtype, unless an input is float64 (autocast
+    leaves float64 alone). Otherwise: the promoted dtype of the states and the weights.
+    """
+    dtype = weights.dtype
+    for x in sources:
+        if x.dtype != dtype:
+            dtype = torch.promote_types(dtype, x.dtype)
+    device_type = sources[0].device.type
+    if (dtype != torch.float64 and torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
+def autocast_disabled(device_type: str) -> contextlib.AbstractContextManager:
+    """A context that turns autocast off for ``device_type`` where it is on (a no-op context elsewhere)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for the half types and fp32, float64 for float64: every input converts to it exactly."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dwa_reference(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The paper's loop: ``sum_n weights[n] * sources[n]``, accumulated in fp32 (float64 for float64).
 
     Args:
-        sources: N tensors of the same shape S.
+        sources: N tensors of the same shape S (dtypes may differ).
         weights: [N].
+        dtype: the compute dtype (:func:`compute_dtype`).
     Returns:
-        [*S], in the sources' dtype.
+        [*S] in ``dtype``.
     """
-    out = sources[0] * weights[0].to(sources[0].dtype)
+    acc = accumulation_dtype(dtype)
+    out = sources[0].to(acc) * weights[0].to(acc)
     for n in range(1, len(sources)):
-        out = out + sources[n] * weights[n].to(sources[n].dtype)
-    return out
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        out = out + sources[n].to(acc) * weights[n].to(acc)
+    return out.to(dtype)
 
 
 # Below this many elements per source, stacking the sources and one matrix-vector product beat N
@@ -168,88 +210,88 @@ def _scalar_weights(w: torch.Tensor) -> list[float] | torch.Tensor:
     return w.tolist() if w.device.type == "cpu" else w
 
 
+def _source_gradient(grad_out: torch.Tensor, weight: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """``weight * grad_out`` computed in fp32 (float64) and rounded once to a source's ``dtype``."""
+    if grad_out.dtype == dtype:
+        return grad_out * weight  # a 0-d or Python weight: computed in the op-math dtype, rounded once
+    return (grad_out.to(accumulation_dtype(grad_out.dtype)) * weight).to(dtype)
+
+
 class _DepthWeightedAverage(torch.autograd.Function):
     """``out = sum_n w[n] * x[n]`` over a list of sources, without stacking them.
 
-    Forward: one fused multiply-add per source into a single output buffer (fp32 accumulation for
-    half types). Backward: ``grad_x[n] = w[n] * g`` and ``grad_w[n] = <g, x[n]>`` (a dot product,
-    no temporary). Only references to the inputs are saved: nothing is stored twice.
+    Forward: one fused multiply-add per source into a single fp32 (float64) buffer, rounded once to the
+    compute dtype. Backward: ``grad_x[n] = w[n] * g`` and ``grad_w[n] = <g, x[n]>`` (a dot product per
+    source). Only references to the inputs are saved: nothing is stored twice.
     """
 
     @staticmethod
-    def forward(ctx, weights: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
-        acc_dtype = _accumulation_dtype(sources[0].dtype)
+    def forward(ctx, dtype: torch.dtype, weights: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
+        acc_dtype = accumulation_dtype(dtype)
         w = _scalar_weights(weights.detach().to(acc_dtype))
-        if acc_dtype == sources[0].dtype:
-            out = torch.mul(sources[0], w[0])
-        else:
-            out = sources[0].to(acc_dtype).mul_(w[0])
+        first = sources[0]
+        out = torch.mul(first, w[0]) if first.dtype == acc_dtype else first.to(acc_dtype).mul_(w[0])
         for n in range(1, len(sources)):
             if isinstance(w, list):
                 out.add_(sources[n], alpha=w[n])
             else:
                 out.addcmul_(sources[n], w[n])
         ctx.save_for_backward(weights, *sources)
-        return out.to(sources[0].dtype)
+        return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        with autocast_disabled(grad_out.device.type):  # a backward called under autocast keeps the op's dtypes
+            return _DepthWeightedAverage.gradients(ctx, grad_out)
+
+    @staticmethod
+    def gradients(ctx, grad_out: torch.Tensor):
         weights, *sources = ctx.saved_tensors
+        acc_dtype = accumulation_dtype(grad_out.dtype)
         grad_weights = None
-        if ctx.needs_input_grad[0]:
-            g = grad_out.reshape(-1)
-            acc_dtype = _accumulation_dtype(g.dtype)
-            g_acc = g.to(acc_dtype)
-            grad_weights = torch.stack([torch.dot(g_acc, x.reshape(-1).to(acc_dtype)) for x in sources])
+        if ctx.needs_input_grad[1]:
+            g = grad_out.reshape(-1).to(acc_dtype)
+            grad_weights = torch.stack([torch.dot(g, x.reshape(-1).to(acc_dtype)) for x in sources])
             grad_weights = grad_weights.to(weights.dtype)
         # The weight stays in the accumulation dtype (a 0-d operand or a Python scalar does not promote
         # the result), so a half-precision gradient is rounded once, like the fused kernel's. Under
         # create_graph the weights must stay tensors so that double backward reaches them.
-        w = weights.to(_accumulation_dtype(grad_out.dtype))
+        w = weights.to(acc_dtype)
         if not torch.is_grad_enabled():
             w = _scalar_weights(w.detach())
-        grad_sources = []
-        for n, _x in enumerate(sources):
-            if ctx.needs_input_grad[n + 1]:
-                grad_sources.append(grad_out * w[n])
-            else:
-                grad_sources.append(None)
-        return (grad_weights, *grad_sources)
+        grad_sources = [
+            _source_gradient(grad_out, w[n], x.dtype) if ctx.needs_input_grad[n + 2] else None
+            for n, x in enumerate(sources)
+        ]
+        return (None, grad_weights, *grad_sources)
 
 
-def _dwa_small(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """Few elements per source: stack them ([N, M], a negligible copy) and one matrix-vector product.
-
-    Plain autograd ops; half-precision inputs are computed in fp32 and rounded once.
-    """
-    first = sources[0]
-    dtype = first.dtype
-    acc_dtype = _accumulation_dtype(dtype)
-    stacked = torch.stack(tuple(sources)).view(len(sources), -1)  # (N, M), contiguous
-    if acc_dtype != dtype:
-        stacked = stacked.to(acc_dtype)
+def _dwa_small(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Few elements per source: stack them in fp32 (float64), [N, M] (a negligible copy), and one
+    matrix-vector product; plain autograd ops, rounded once to ``dtype``."""
+    acc_dtype = accumulation_dtype(dtype)
+    stacked = torch.stack([x if x.dtype == acc_dtype else x.to(acc_dtype) for x in sources])
     w = weights if weights.dtype == acc_dtype else weights.to(acc_dtype)
-    out = torch.mv(stacked.t(), w)  # (M,)
-    if acc_dtype != dtype:
-        out = out.to(dtype)
-    return out.view(first.shape)
+    out = torch.mv(stacked.view(len(sources), -1).t(), w)  # (M,)
+    return out.to(dtype).view(sources[0].shape)
 
 
-def dwa_torch(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """Efficient PyTorch DWA over a list of sources (see :class:`_DepthWeightedAverage`).
+def dwa_torch(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Vectorised PyTorch DWA over a list of sources (see :class:`_DepthWeightedAverage`).
 
-    Sources of fewer than ``SMALL_NUMEL`` elements (cached decoding) take a stacked
-    matrix-vector product instead, which costs two kernels instead of N.
+    Sources of at most ``SMALL_NUMEL`` elements (cached decoding) take a stacked matrix-vector product
+    instead, which costs two kernels instead of N.
 
     Args:
-        sources: N tensors of the same shape S.
+        sources: N tensors of the same shape S (dtypes may differ).
         weights: [N].
+        dtype: the compute dtype (:func:`compute_dtype`).
     Returns:
-        [*S], in the sources' dtype.
+        [*S] in ``dtype``.
     """
     if sources[0].numel() <= SMALL_NUMEL:
-        return _dwa_small(sources, weights)
-    return _DepthWeightedAverage.apply(weights, *sources)
+        return _dwa_small(sources, weights, dtype)
+    return _DepthWeightedAverage.apply(dtype, weights, *sources)
 
 
 def depth_weighted_average(
@@ -259,44 +301,31 @@ def depth_weighted_average(
 ) -> torch.Tensor:
     """Depth-Weighted Average: ``sum_n weights[n] * states[n]``, differentiable in both.
 
+    The op's only entry point (models call it once per DWA step with the backend they resolved once per
+    forward). The module docstring has the dispatch table and the dtype rules.
+
     Args:
-        states: a tensor [N, *S] or a sequence of N tensors of shape S (same dtype and device; any
-            strides). Dtypes: float16, bfloat16, float32, float64.
+        states: a tensor [N, *S] or a sequence of N tensors of shape S on one device (any strides; dtypes
+            float16, bfloat16, float32, float64, which may differ from source to source).
         weights: [N] floating-point weights (same dtypes) on the states' device.
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (then
-            ``$DEPTHFUSION_BACKEND``, default ``"auto"``). float64 states on ``"triton"`` take the
-            PyTorch path (the kernel computes fp32, fp16 and bf16).
+            ``$DEPTHFUSION_BACKEND``, default ``"auto"``).
     Returns:
-        Tensor of shape S and the states' dtype. Half-precision states are accumulated in fp32 by the
-        ``"torch"`` and ``"triton"`` backends (the ``"reference"`` loop accumulates in their dtype).
-        Gradients of every order (``create_graph=True``) are supported by every backend.
+        Tensor of shape S in the compute dtype (the autocast dtype under autocast, else the promoted
+        dtype of states and weights), accumulated in fp32 (float64 for float64). Gradients of every
+        order (``create_graph=True``) are supported by every backend.
     Raises:
-        ValueError: when the shapes, dtypes or devices disagree, a dtype is not a floating-point one
-            above (integer and bool tensors are rejected, not truncated), or the backend is unknown or
-            cannot run on the states' device.
+        ValueError: when the shapes or devices disagree, a dtype is not one of the floating-point ones above
+            (integer and bool tensors are rejected, not truncated), or the backend is unknown or cannot run
+            on the states' device.
     """
     sources = _as_list(states)
     _check_inputs(sources, weights)
-    return dwa_with_backend(sources, weights, resolve_backend(backend, sources[0].device))
-
-
-def dwa_with_backend(sources: Sequence[torch.Tensor], weights: torch.Tensor, backend: str) -> torch.Tensor:
-    """The core of the op: run a resolved backend on validated inputs, without checking them again.
-
-    Models resolve the backend once per forward pass and device and call this for every DWA step
-    (the input checks of :func:`depth_weighted_average` cost as much as the op itself when decoding).
-    The one routing decision lives here: the Triton kernel computes fp32, fp16 and bf16; other dtypes
-    (float64) take the PyTorch path, which computes them in their own precision.
-
-    Args:
-        sources: N tensors of the same shape S, dtype (one of ``DTYPES``) and device.
-        weights: [N], on the sources' device.
-        backend: ``"reference"``, ``"torch"`` or ``"triton"`` (from :func:`resolve_backend`).
-    Returns:
-        [*S], in the sources' dtype.
-    """
-    if backend == "triton" and sources[0].dtype in TRITON_DWA_DTYPES:
-        return triton_depth_weighted_average(sources, weights)
-    if backend == "reference":
-        return dwa_reference(sources, weights)
-    return dwa_torch(sources, weights)
+    dtype = compute_dtype(sources, weights)
+    choice = resolve_backend(backend, sources[0].device)
+    with autocast_disabled(sources[0].device.type):  # the dtype is decided: autocast must not recast the products
+        if choice == "triton" and dtype in TRITON_DWA_DTYPES:
+            return triton_depth_weighted_average(sources, weights, dtype)
+        if choice == "reference":
+            return dwa_reference(sources, weights, dtype)
+        return dwa_torch(sources, weights, dtype)

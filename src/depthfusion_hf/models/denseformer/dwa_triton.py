@@ -1,19 +1,24 @@
 """Fused Triton kernels for the Depth-Weighted Average ``y = sum_n w[n] * x[n]``.
 
-Both kernels take the N sources through a device array of their data pointers, so a DWA over N
-block outputs is **one launch** that reads every source exactly once; nothing is stacked or copied
-(the paper's package copies each block output into a pre-allocated accumulator and then runs
-``tensordot``).
+The sources are kernel arguments: up to ``SOURCES_PER_LAUNCH`` (16) pointer arguments per launch, the
+number in use a run-time argument (uniform branches, so one compilation serves every N); more sources
+take chained launches that carry an fp32 partial sum.
+Nothing is built on the host per call (no table of data pointers), so the launches can be captured in a
+CUDA graph and traced by dynamo, and each source is read with its own element type (Triton specialises
+every pointer argument on its dtype and 16-byte alignment: vector loads, and mixed-dtype sources, such as
+an fp32 embedding followed by bf16 block outputs under autocast, are read correctly).
 
 - forward  (:func:`dwa_fwd_kernel`): each program owns ``BLOCK`` elements of the flattened shape S,
-  loops over the N sources, accumulates ``w[n] * x[n]`` in fp32 and writes ``y`` once.
-- backward (:func:`dwa_bwd_kernel`): each program loads its block of the output gradient ``g``
-  once, writes ``dx[n] = w[n] * g`` for every source and the partial dot products
-  ``<g, x[n]>`` of its block into an fp32 ``[N, num_blocks]`` buffer; a deterministic sum over
-  blocks gives ``dw`` (no atomics).
+  accumulates ``w[n] * x_n`` in fp32 over its launch's sources (plus the partial sum of the previous
+  launch) and writes the result once, in the output's dtype (or the fp32 partial for the next launch).
+- backward (:func:`dwa_bwd_kernel`): each program loads its block of the output gradient ``g`` once per
+  launch, writes ``dx_n = w[n] * g`` (rounded once to ``x_n``'s dtype) and its block's partial dot products
+  ``<g, x_n>`` into an fp32 ``[num_blocks, N]`` buffer; a deterministic sum over blocks gives ``dw``.
 
-Traffic: forward ``(N + 1) * M`` elements, backward ``(2N + 1) * M`` (M = prod(S)) -- the minimum
-for the op, which is memory bound.
+Traffic for N <= 16: forward ``(N + 1) M`` elements, backward ``(2N + 1) M`` (M = prod(S)), the minimum
+for this memory-bound op; each further launch of 16 adds an fp32 read and write of M (forward) or a read
+of ``g`` (backward). Offsets are 64-bit (:func:`block_offsets`); launches run under the tensors' CUDA device
+and on its current stream.
 
 Triton is optional: it is imported inside ``try/except`` so that this file (copied next to the
 model code for ``trust_remote_code`` loading) imports everywhere. Without a GPU the kernels run
@@ -22,6 +27,7 @@ under ``TRITON_INTERPRET=1``, which must be set before this module is imported.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import ModuleType
 
@@ -43,11 +49,17 @@ triton, tl, _TRITON_IMPORT_ERROR = import_triton()
 # Set when this module is imported: Triton reads TRITON_INTERPRET at import time as well.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# The dtypes the kernels compute (fp32 accumulation); the dispatcher in dwa.py sends others to PyTorch.
+# The compute dtypes the kernels produce (fp32 accumulation); the dispatcher in dwa.py sends float64 to PyTorch.
 TRITON_DWA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Source pointer arguments per launch (the kernels spell them out: Triton has no variadic arguments).
+SOURCES_PER_LAUNCH = 16
 
 # Largest block when interpreted (tests lower it to exercise many blocks and masked tails).
 INTERPRET_MAX_BLOCK = 1 << 14
+
+# The largest 1-D grid CUDA launches (x dimension).
+MAX_GRID = 2**31 - 1
 
 
 def dwa_triton_forward_backward_available() -> bool:
@@ -65,113 +77,222 @@ def dwa_triton_runs_on(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def block_offsets(pid, BLOCK: tl.constexpr):
+        """The 64-bit flat offsets ``pid * BLOCK + [0, BLOCK)`` of one program's block (no int32 wrap)."""
+        return pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+
+    @triton.jit
+    def _weighted(acc, p_x, p_w, i: tl.constexpr, offsets, mask):
+        """``acc + w[i] * x[offsets]`` in fp32 (the source is read in its own dtype)."""
+        b_w = tl.load(p_w + i).to(tl.float32)
+        return acc + b_w * tl.load(p_x + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def dwa_fwd_kernel(
-        p_x_ptrs,  # [N] int64: data pointers of the N contiguous sources, each M elements
-        p_w,  # [N] weights (any float dtype, read as fp32)
-        p_y,  # [M] output, same dtype as the sources
-        N,
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources, M contiguous elements
+        p_w,  # [N] weights of every launch (any float dtype, read as fp32)
+        p_acc,  # [M] fp32 partial sum of the previous launches (read when ACCUMULATE)
+        p_y,  # [M] output: the result in its dtype, or the fp32 partial for the next launch
         M,
+        W_START,  # index of x0's weight
+        NUM,  # sources of this launch (x0 .. x{NUM-1}), 1..16; the other arguments are not read
+        ACCUMULATE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """``y[o] = sum_n w[n] * x_n[o]`` for one block of ``BLOCK`` flattened positions."""
-        i_m = tl.program_id(0).to(tl.int64)
-        o_m = i_m * BLOCK + tl.arange(0, BLOCK)
+        """``y[o] = acc[o] + sum_{i < NUM} w[W_START + i] * x_i[o]`` for one block of ``BLOCK`` positions."""
+        o_m = block_offsets(tl.program_id(0), BLOCK)
         m_m = o_m < M
-        b_y = tl.zeros([BLOCK], dtype=tl.float32)
-        for i_n in range(N):
-            p_x = tl.load(p_x_ptrs + i_n).to(tl.pointer_type(p_y.dtype.element_ty))
-            b_w = tl.load(p_w + i_n).to(tl.float32)
-            b_x = tl.load(p_x + o_m, mask=m_m, other=0.0).to(tl.float32)
-            b_y += b_w * b_x
+        if ACCUMULATE:
+            b_y = tl.load(p_acc + o_m, mask=m_m, other=0.0).to(tl.float32)
+        else:
+            b_y = tl.zeros([BLOCK], dtype=tl.float32)
+        p_w = p_w + W_START
+        b_y = _weighted(b_y, x0, p_w, 0, o_m, m_m)
+        if NUM > 1:
+            b_y = _weighted(b_y, x1, p_w, 1, o_m, m_m)
+        if NUM > 2:
+            b_y = _weighted(b_y, x2, p_w, 2, o_m, m_m)
+        if NUM > 3:
+            b_y = _weighted(b_y, x3, p_w, 3, o_m, m_m)
+        if NUM > 4:
+            b_y = _weighted(b_y, x4, p_w, 4, o_m, m_m)
+        if NUM > 5:
+            b_y = _weighted(b_y, x5, p_w, 5, o_m, m_m)
+        if NUM > 6:
+            b_y = _weighted(b_y, x6, p_w, 6, o_m, m_m)
+        if NUM > 7:
+            b_y = _weighted(b_y, x7, p_w, 7, o_m, m_m)
+        if NUM > 8:
+            b_y = _weighted(b_y, x8, p_w, 8, o_m, m_m)
+        if NUM > 9:
+            b_y = _weighted(b_y, x9, p_w, 9, o_m, m_m)
+        if NUM > 10:
+            b_y = _weighted(b_y, x10, p_w, 10, o_m, m_m)
+        if NUM > 11:
+            b_y = _weighted(b_y, x11, p_w, 11, o_m, m_m)
+        if NUM > 12:
+            b_y = _weighted(b_y, x12, p_w, 12, o_m, m_m)
+        if NUM > 13:
+            b_y = _weighted(b_y, x13, p_w, 13, o_m, m_m)
+        if NUM > 14:
+            b_y = _weighted(b_y, x14, p_w, 14, o_m, m_m)
+        if NUM > 15:
+            b_y = _weighted(b_y, x15, p_w, 15, o_m, m_m)
         tl.store(p_y + o_m, b_y.to(p_y.dtype.element_ty), mask=m_m)
 
     @triton.jit
+    def _source_grads(b_g, p_x, p_dx, p_w, p_dw, i: tl.constexpr, offsets, mask,
+                      HAS_DX: tl.constexpr, HAS_DW: tl.constexpr):
+        """``dx_i = w[i] * g`` (rounded once to dx's dtype) and ``dw[i] = <g, x_i>`` over the block."""
+        if HAS_DX:
+            b_w = tl.load(p_w + i).to(tl.float32)
+            tl.store(p_dx + offsets, (b_w * b_g).to(p_dx.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            b_x = tl.load(p_x + offsets, mask=mask, other=0.0).to(tl.float32)
+            tl.store(p_dw + i, tl.sum(b_g * b_x, axis=0))
+
+    @triton.jit
     def dwa_bwd_kernel(
-        p_x_ptrs,  # [N] int64: data pointers of the sources
-        p_dx_ptrs,  # [N] int64: data pointers of the source gradients (written when HAS_DX)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (read when HAS_DW)
+        d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15,  # their gradients (when HAS_DX)
         p_w,  # [N] weights
-        p_g,  # [M] gradient of the output, same dtype as the sources
-        p_dw_partial,  # [N, NUM_BLOCKS] fp32: per-block partial dot products (written when HAS_DW)
-        N,
+        p_g,  # [M] gradient of the output
+        p_dw_partial,  # [num_blocks, N] fp32: per-block partial dot products (written when HAS_DW)
         M,
-        NUM_BLOCKS,
-        BLOCK: tl.constexpr,
+        N,
+        W_START,
+        NUM,
         HAS_DX: tl.constexpr,
         HAS_DW: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
-        """``dx_n = w[n] * g`` and ``dw_partial[n, block] = <g, x_n>`` over one block of positions."""
-        i_b = tl.program_id(0)
-        o_m = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        """For ``i < NUM``: ``d_i = w[W_START + i] * g`` and ``dw_partial[block, W_START + i] = <g, x_i>``."""
+        pid = tl.program_id(0)
+        o_m = block_offsets(pid, BLOCK)
         m_m = o_m < M
         b_g = tl.load(p_g + o_m, mask=m_m, other=0.0).to(tl.float32)
-        for i_n in range(N):
-            if HAS_DX:
-                p_dx = tl.load(p_dx_ptrs + i_n).to(tl.pointer_type(p_g.dtype.element_ty))
-                b_w = tl.load(p_w + i_n).to(tl.float32)
-                tl.store(p_dx + o_m, (b_w * b_g).to(p_g.dtype.element_ty), mask=m_m)
-            if HAS_DW:
-                p_x = tl.load(p_x_ptrs + i_n).to(tl.pointer_type(p_g.dtype.element_ty))
-                b_x = tl.load(p_x + o_m, mask=m_m, other=0.0).to(tl.float32)
-                tl.store(p_dw_partial + i_n * NUM_BLOCKS + i_b, tl.sum(b_g * b_x, axis=0))
+        p_w = p_w + W_START
+        p_dw = p_dw_partial + pid.to(tl.int64) * N + W_START
+        _source_grads(b_g, x0, d0, p_w, p_dw, 0, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 1:
+            _source_grads(b_g, x1, d1, p_w, p_dw, 1, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 2:
+            _source_grads(b_g, x2, d2, p_w, p_dw, 2, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 3:
+            _source_grads(b_g, x3, d3, p_w, p_dw, 3, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 4:
+            _source_grads(b_g, x4, d4, p_w, p_dw, 4, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 5:
+            _source_grads(b_g, x5, d5, p_w, p_dw, 5, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 6:
+            _source_grads(b_g, x6, d6, p_w, p_dw, 6, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 7:
+            _source_grads(b_g, x7, d7, p_w, p_dw, 7, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 8:
+            _source_grads(b_g, x8, d8, p_w, p_dw, 8, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 9:
+            _source_grads(b_g, x9, d9, p_w, p_dw, 9, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 10:
+            _source_grads(b_g, x10, d10, p_w, p_dw, 10, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 11:
+            _source_grads(b_g, x11, d11, p_w, p_dw, 11, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 12:
+            _source_grads(b_g, x12, d12, p_w, p_dw, 12, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 13:
+            _source_grads(b_g, x13, d13, p_w, p_dw, 13, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 14:
+            _source_grads(b_g, x14, d14, p_w, p_dw, 14, o_m, m_m, HAS_DX, HAS_DW)
+        if NUM > 15:
+            _source_grads(b_g, x15, d15, p_w, p_dw, 15, o_m, m_m, HAS_DX, HAS_DW)
 
 
-def _launch_config(numel: int) -> tuple[int, int]:
-    """``(BLOCK, num_warps)``: large blocks when interpreted (fewer simulated programs), 1024 on GPUs."""
+def launch_config(numel: int) -> tuple[int, int, int]:
+    """``(BLOCK, num_warps, number of blocks)``: 1024 elements per program on GPUs (large blocks when
+    interpreted: fewer simulated programs). Raises a ValueError when the grid would pass CUDA's limit."""
     if _INTERPRET:
-        return max(16, min(triton.next_power_of_2(max(numel, 1)), INTERPRET_MAX_BLOCK)), 1
-    return 1024, 4
+        block, num_warps = max(16, min(triton.next_power_of_2(max(numel, 1)), INTERPRET_MAX_BLOCK)), 1
+    else:
+        block, num_warps = 1024, 4
+    num_blocks = triton.cdiv(numel, block)
+    if num_blocks > MAX_GRID:
+        raise ValueError(f"the Triton DWA launches at most {MAX_GRID} blocks of {block}; got {numel} elements")
+    return block, num_warps, num_blocks
 
 
-def _pointer_array(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """[N] int64 tensor of the data pointers of ``tensors`` (contiguous), on ``device``."""
-    ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-    return ptrs.to(device, non_blocking=True) if device.type != "cpu" else ptrs
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Launch on ``device``: Triton uses the current CUDA device and its current stream (a no-op on CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _check(sources: list[torch.Tensor], weights: torch.Tensor) -> None:
-    if triton is None:
-        raise RuntimeError(f"Triton is not available: {_TRITON_IMPORT_ERROR!r}")
-    if sources[0].dtype not in TRITON_DWA_DTYPES:
-        raise ValueError(f"the Triton DWA supports {TRITON_DWA_DTYPES}; got {sources[0].dtype}")
-    if weights.device != sources[0].device:
-        raise ValueError(f"weights are on {weights.device} but the states on {sources[0].device}")
-    if not dwa_triton_runs_on(sources[0].device):
-        raise ValueError(
-            f"the Triton DWA runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got {sources[0].device}"
+def chunks(count: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of each launch over ``count`` sources, ``SOURCES_PER_LAUNCH`` at most per launch."""
+    return [(start, min(SOURCES_PER_LAUNCH, count - start)) for start in range(0, count, SOURCES_PER_LAUNCH)]
+
+
+def _padded(tensors: list[torch.Tensor], filler: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` padded to ``SOURCES_PER_LAUNCH`` arguments with ``filler`` (never read by the kernel)."""
+    return tensors + [filler] * (SOURCES_PER_LAUNCH - len(tensors))
+
+
+def dwa_forward(xs: list[torch.Tensor], weights: torch.Tensor, y: torch.Tensor) -> None:
+    """``y = sum_n weights[n] * xs[n]`` through :func:`dwa_fwd_kernel` (contiguous ``xs`` of y's numel)."""
+    numel = y.numel()
+    if numel == 0:
+        return
+    block, num_warps, num_blocks = launch_config(numel)
+    launches = chunks(len(xs))
+    # The running sum between launches: fp32 (y itself when y is fp32).
+    partial = y if len(launches) == 1 or y.dtype == torch.float32 else torch.empty_like(y, dtype=torch.float32)
+    for index, (start, size) in enumerate(launches):
+        out = y if index == len(launches) - 1 else partial
+        dwa_fwd_kernel[(num_blocks,)](
+            *_padded(xs[start : start + size], xs[start]), weights, partial, out, numel, start,
+            NUM=size, ACCUMULATE=index > 0, BLOCK=block, num_warps=num_warps,
         )
+
+
+def dwa_backward(xs: list[torch.Tensor] | None, dxs: list[torch.Tensor] | None, weights: torch.Tensor,
+                 g: torch.Tensor) -> torch.Tensor | None:
+    """Write ``dxs[n] = weights[n] * g`` (when ``dxs``) and return ``dw`` [N] fp32 (when ``xs``), else None."""
+    count = len(xs if xs is not None else dxs)
+    numel = g.numel()
+    block, num_warps, num_blocks = launch_config(numel)
+    dw_partial = torch.zeros((max(num_blocks, 1), count), dtype=torch.float32, device=g.device) if xs else None
+    if numel > 0:
+        for start, size in chunks(count):
+            x_args = _padded(xs[start : start + size], xs[start]) if xs is not None else [g] * SOURCES_PER_LAUNCH
+            d_args = _padded(dxs[start : start + size], dxs[start]) if dxs is not None else [g] * SOURCES_PER_LAUNCH
+            dwa_bwd_kernel[(num_blocks,)](
+                *x_args, *d_args, weights, g, dw_partial if xs is not None else g, numel, count, start,
+                NUM=size, HAS_DX=dxs is not None, HAS_DW=xs is not None, BLOCK=block, num_warps=num_warps,
+            )
+    return dw_partial.sum(dim=0) if xs is not None else None
 
 
 def _differentiable_grads(needs_input_grad, weights: torch.Tensor, sources, grad_out: torch.Tensor):
     """The backward from PyTorch ops, so that ``create_graph=True`` records it (the kernels record nothing).
 
-    Same arithmetic as the kernels: fp32 products and sums, one rounding to the output dtype.
+    Same arithmetic as the kernels: fp32 products and sums, one rounding to each gradient's dtype.
     """
     g = grad_out.float()
     grad_weights = None
-    if needs_input_grad[0]:
+    if needs_input_grad[1]:
         grad_weights = torch.stack([(g * x.float()).sum() for x in sources]).to(weights.dtype)
     grad_sources = [
-        (g * weights[n].float()).to(grad_out.dtype) if needs_input_grad[n + 1] else None for n in range(len(sources))
+        (g * weights[n].float()).to(x.dtype) if needs_input_grad[n + 2] else None for n, x in enumerate(sources)
     ]
-    return (grad_weights, *grad_sources)
+    return (None, grad_weights, *grad_sources)
 
 
 class _TritonDepthWeightedAverage(torch.autograd.Function):
-    """Autograd wrapper of :func:`dwa_fwd_kernel` / :func:`dwa_bwd_kernel` (inputs: weights, *sources)."""
+    """Autograd wrapper of :func:`dwa_fwd_kernel` / :func:`dwa_bwd_kernel` (inputs: dtype, weights, *sources)."""
 
     @staticmethod
-    def forward(ctx, weights: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, dtype: torch.dtype, weights: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
         first = sources[0]
-        xs = [x.contiguous() for x in sources]
-        w = weights.detach().contiguous()
-        y = torch.empty(first.shape, dtype=first.dtype, device=first.device)
-        numel = y.numel()
-        if numel > 0:
-            block, num_warps = _launch_config(numel)
-            grid = (triton.cdiv(numel, block),)
-            dwa_fwd_kernel[grid](
-                _pointer_array(xs, first.device), w, y, len(xs), numel, BLOCK=block, num_warps=num_warps
-            )
+        y = torch.empty(first.shape, dtype=dtype, device=first.device)
+        with on_device(first.device):
+            dwa_forward([x.contiguous() for x in sources], weights.detach().contiguous(), y)
         # Save the caller's tensors (not contiguous copies): nothing extra stays alive until backward.
         ctx.save_for_backward(weights, *sources)
         return y
@@ -180,57 +301,47 @@ class _TritonDepthWeightedAverage(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         weights, *sources = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: second-order gradients need a recorded graph
-            return _differentiable_grads(ctx.needs_input_grad, weights, sources, grad_out)
-        need_dw = ctx.needs_input_grad[0]
-        need_dx = any(ctx.needs_input_grad[1:])
-        n_src = len(sources)
+            with torch.autocast(grad_out.device.type, enabled=False):
+                return _differentiable_grads(ctx.needs_input_grad, weights, sources, grad_out)
+        need_dw = ctx.needs_input_grad[1]
+        need_dx = any(ctx.needs_input_grad[2:])
+        if not (need_dw or need_dx):
+            return (None,) * (len(sources) + 2)
         g = grad_out.contiguous()
-        numel = g.numel()
-        device = g.device
-        xs = [x.contiguous() for x in sources] if need_dw else []
-        dxs = [torch.empty_like(g) for _ in range(n_src)] if need_dx else []
-        block, num_warps = _launch_config(numel)
-        num_blocks = triton.cdiv(numel, block) if numel > 0 else 0
-        dw_partial = torch.zeros((n_src, max(num_blocks, 1)), dtype=torch.float32, device=device)
-        if numel > 0 and (need_dw or need_dx):
-            # Unused pointer arrays still need a valid tensor argument; the kernel never reads them.
-            x_ptrs = _pointer_array(xs, device) if need_dw else dw_partial
-            dx_ptrs = _pointer_array(dxs, device) if need_dx else dw_partial
-            dwa_bwd_kernel[(num_blocks,)](
-                x_ptrs,
-                dx_ptrs,
-                weights.detach().contiguous(),
-                g,
-                dw_partial,
-                n_src,
-                numel,
-                num_blocks,
-                BLOCK=block,
-                HAS_DX=need_dx,
-                HAS_DW=need_dw,
-                num_warps=num_warps,
-            )
-        grad_weights = dw_partial.sum(dim=1).to(weights.dtype) if need_dw else None
-        grad_sources = [
-            (dxs[n].view(sources[n].shape) if ctx.needs_input_grad[n + 1] else None) for n in range(n_src)
-        ] if need_dx else [None] * n_src
-        return (grad_weights, *grad_sources)
+        xs = [x.contiguous() for x in sources] if need_dw else None
+        dxs = [torch.empty(g.shape, dtype=x.dtype, device=g.device) for x in sources] if need_dx else None
+        with on_device(g.device):
+            dw = dwa_backward(xs, dxs, weights.detach().contiguous(), g)
+        grad_weights = dw.to(weights.dtype) if need_dw else None
+        grad_sources = [dxs[n] if need_dx and ctx.needs_input_grad[n + 2] else None for n in range(len(sources))]
+        return (None, grad_weights, *grad_sources)
 
 
-def triton_depth_weighted_average(sources: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """Fused DWA: ``sum_n weights[n] * sources[n]`` in one kernel, differentiable in both.
+def triton_depth_weighted_average(sources: list[torch.Tensor], weights: torch.Tensor,
+                                  dtype: torch.dtype) -> torch.Tensor:
+    """Fused DWA: ``sum_n weights[n] * sources[n]``, differentiable in both (called by ``dwa.py``'s dispatcher).
 
     Args:
-        sources: N tensors of one shape S, dtype (fp32, fp16 or bf16) and device (CUDA, or CPU under
-            ``TRITON_INTERPRET=1``); non-contiguous ones are made contiguous.
-        weights: [N] floating-point weights on the same device.
+        sources: N tensors of one shape S on one device (CUDA, or CPU under ``TRITON_INTERPRET=1``), each
+            fp32, fp16 or bf16 (they may differ); non-contiguous ones are made contiguous.
+        weights: [N] fp32, fp16 or bf16 weights on the same device.
+        dtype: the compute (output) dtype, one of ``TRITON_DWA_DTYPES``.
     Returns:
-        [*S] in the sources' dtype, accumulated in fp32. Second-order gradients (``create_graph=True``)
-        are computed by PyTorch ops with the same arithmetic.
+        [*S] in ``dtype``, accumulated in fp32. Second-order gradients (``create_graph=True``) are computed
+        by PyTorch ops with the same arithmetic.
     Raises:
-        ValueError: for another dtype (float64 goes through ``depth_weighted_average``, which routes it to
-            the PyTorch path) or device.
+        ValueError: for a dtype or device the kernels do not take (float64 goes through the dispatcher,
+            which routes it to the PyTorch path).
     """
-    sources = list(sources)
-    _check(sources, weights)
-    return _TritonDepthWeightedAverage.apply(weights, *sources)
+    if triton is None:
+        raise RuntimeError(f"Triton is not available: {_TRITON_IMPORT_ERROR!r}")
+    for name, t in [("the compute dtype", dtype), ("weights", weights.dtype), *[
+            (f"states[{n}]", x.dtype) for n, x in enumerate(sources)]]:
+        if t not in TRITON_DWA_DTYPES:
+            raise ValueError(f"the Triton DWA supports {TRITON_DWA_DTYPES}; {name} is {t}")
+    if not dwa_triton_runs_on(sources[0].device) or weights.device != sources[0].device:
+        raise ValueError(
+            f"the Triton DWA runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), all on one device; "
+            f"got states on {sources[0].device}, weights on {weights.device}"
+        )
+    return _TritonDepthWeightedAverage.apply(dtype, weights, *sources)
