@@ -113,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if "triton" in impls and not triton_available(device):
         raise SystemExit("the triton backend needs --device cuda and Triton")
 
-    print_header("bench_attnres", device, f"{dtype}  warmup={warmup} reps={reps} (interleaved)  backends={impls}")
+    load_at_start = print_header("bench_attnres", device,
+                                 f"{dtype}  warmup={warmup} reps={reps} (interleaved)  backends={impls}")
     header = ["tokens", "D", "N", "mode", "sum ms"] + [f"{i} ms (×sum)" for i in impls] + ["sum MiB"]
     header += [f"{i} MiB" for i in impls] + (["triton GB/s"] if "triton" in impls else [])
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -144,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                         peak_mib=row_mib, triton_gbps=gbps))
                 del inputs
 
-    record = dict(record_header(device, argv, args.label), dtype=str(dtype), warmup=warmup, reps=reps,
+    record = dict(record_header(device, argv, args.label, load_at_start), dtype=str(dtype), warmup=warmup, reps=reps,
                   results=results)
     if args.out:
         print(f"\nappended to {append_record(args.out, record)}")

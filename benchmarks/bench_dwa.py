@@ -290,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     reps = args.reps or (20 if device.type == "cuda" else 5)
     impls = ["none", "paper", "reference", "torch"] + (["triton"] if triton_available(device) else [])
     timer = clock_name(device)
-    print_header("bench_dwa", device, f"state {shape} {args.dtype}, {reps} interleaved repeats, median fwd+bwd; "
-                                      "baseline = paper")
+    load_at_start = print_header("bench_dwa", device, f"state {shape} {args.dtype}, {reps} interleaved repeats, "
+                                                      "median fwd+bwd; baseline = paper")
 
     results = []
     header = f"{'d':>3} {'k×p':>4} | " + " | ".join(f"{name:>34}" for name in impls[1:])
@@ -341,8 +341,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             print(f"{r['N']:>3} {r['backend']:>8} | {r['fwd_ms']:8.3f} {r['fwd_bw_frac']:11.2f} | "
                   f"{r['bwd_ms']:8.3f} {r['bwd_bw_frac']:11.2f}")
 
-    record = dict(record_header(device, argv, args.label), dtype=args.dtype, shape=list(shape), reps=reps,
-                  timer=timer, threads=torch.get_num_threads(), results=results, kernel=kernel_rows)
+    record = dict(record_header(device, argv, args.label, load_at_start), dtype=args.dtype, shape=list(shape),
+                  reps=reps, timer=timer, threads=torch.get_num_threads(), results=results, kernel=kernel_rows)
     if not args.no_save:
         print(f"\nappended to {append_record(args.out, record)}")
     return record

@@ -152,8 +152,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if "triton" in impls and not triton_available(device):
         raise SystemExit("the triton backend needs --device cuda and Triton")
 
-    print_header("bench_moda_attention", device, f"B={B} Hq={Hq} Hkv={Hkv} d={d} {dtype}  warmup={warmup} "
-                 f"reps={reps} (interleaved)  backends={impls}  depth layout={args.depth_layout}")
+    load_at_start = print_header("bench_moda_attention", device,
+                                 f"B={B} Hq={Hq} Hkv={Hkv} d={d} {dtype}  warmup={warmup} reps={reps} (interleaved)  "
+                                 f"backends={impls}  depth layout={args.depth_layout}")
     check = sanity_check(impls, B, Hq, Hkv, min(Ts[0], 256), d, device, dtype)
     print("sanity (M=0 vs SDPA, max abs diff): " + ", ".join(f"{k} {v:.1e}" for k, v in check.items()))
 
@@ -186,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 results.append(dict(T=T, L=L, M=M, mode=mode, time_ms=row_ms, ratio_vs_sdpa=ratio, peak_mib=row_mib))
             del inputs
 
-    record = dict(record_header(device, argv, args.label), dtype=str(dtype), B=B, Hq=Hq, Hkv=Hkv, d=d,
+    record = dict(record_header(device, argv, args.label, load_at_start), dtype=str(dtype), B=B, Hq=Hq, Hkv=Hkv, d=d,
                   warmup=warmup, reps=reps, depth_layout=args.depth_layout, sanity=check, results=results)
     if args.out:
         print(f"\nappended to {append_record(args.out, record)}")

@@ -420,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 print(f"# {name}: not built ({error})")
     if "llama" not in names:
         raise SystemExit("--models must include llama (every ratio is against it)")
-    print_header("bench_models", device,
+    load_at_start = print_header("bench_models", device,
                  f"{args.layers} layers, hidden {args.hidden}, KV heads {common['num_key_value_heads']} of "
                  f"{common['num_attention_heads']}, MLP {args.intermediate}, vocab {args.vocab}, batch {args.batch} × "
                  f"seq {args.seq}, {args.dtype}, attn {args.attn}; {args.reps} interleaved reps"
@@ -458,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.profile:
         for name, step in steps.items():
             profile_step(name, step, 14)
-    record = dict(record_header(device, argv, args.label), gates=gates, args=vars(args), targets=TARGETS,
+    record = dict(record_header(device, argv, args.label, load_at_start), gates=gates, args=vars(args), targets=TARGETS,
                   context_bounds=CONTEXT, compile=compiled and {k: v for k, v in compiled.items() if k != "models"},
                   results=results)
     if not args.no_save:

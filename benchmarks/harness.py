@@ -220,13 +220,15 @@ def package_source() -> dict:
     return dict(package=str(folder), package_commit=git_commit(folder), package_dirty=dirty)
 
 
-def record_header(device: torch.device, argv: Sequence[str] | None = None, label: str = "") -> dict:
-    """What every record starts with: date, machine, load, torch, commit (of the benchmark scripts), where the
-    measured package came from (:func:`package_source`), the command, a free-text label."""
+def record_header(device: torch.device, argv: Sequence[str] | None = None, label: str = "",
+                  load_at_start: dict | None = None) -> dict:
+    """What every record starts with: date, machine, load (at the end; ``load_at_start``: the one
+    :func:`print_header` saw), torch, commit (of the benchmark scripts), where the measured package came from
+    (:func:`package_source`), the command, a free-text label."""
     argv = sys.argv if argv is None else [sys.argv[0], *argv]
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine_name(device),
-                load=machine_load(), torch=torch.__version__, commit=git_commit(), **package_source(),
-                device=str(device), command="python " + " ".join(argv), label=label)
+                load=machine_load(), load_at_start=load_at_start, torch=torch.__version__, commit=git_commit(),
+                **package_source(), device=str(device), command="python " + " ".join(argv), label=label)
 
 
 def append_record(path: str | os.PathLike, record: dict) -> Path:
@@ -238,14 +240,16 @@ def append_record(path: str | os.PathLike, record: dict) -> Path:
     return path
 
 
-def print_header(script: str, device: torch.device, details: str) -> None:
-    """The first lines of every benchmark's output: machine, load, torch, commit, clock, then ``details``."""
+def print_header(script: str, device: torch.device, details: str) -> dict:
+    """The first lines of every benchmark's output: machine, load, torch, commit, clock, then ``details``; returns
+    the load (for :func:`record_header`'s ``load_at_start``)."""
     load, source = machine_load(), package_source()
     dirty = " + uncommitted changes" if source["package_dirty"] else ""
     print(f"# {script}  machine: {machine_name(device)}  load {load['load_1min']} on {load['cpus']} CPUs  "
           f"torch {torch.__version__}  package {source['package']} at {source['package_commit']}{dirty}  "
           f"clock: {clock_name(device)}")
     print(f"# {details}")
+    return load
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ def read_one(path):
     lines = path.read_text().splitlines()
     assert len(lines) == 1
     record = json.loads(lines[0])
-    for key in ("date", "machine", "load", "torch", "commit", "command", "results"):
+    for key in ("date", "machine", "load", "torch", "commit", "package_commit", "command", "results"):
         assert key in record, key
+    assert record["load_at_start"]["cpus"] == record["load"]["cpus"]
     return record
 
 
