@@ -6,6 +6,8 @@ Used by ``tests/attnres/test_attnres_op.py`` (reference and torch backends) and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from depthfusion_hf.models.attnres.attnres import attention_residual, attnres_reference
@@ -35,9 +37,10 @@ def make_inputs(
     seed: int = 0,
     query_scale: float = 2.0,
     non_contiguous: bool | str = False,
-    param_dtype: torch.dtype = torch.float32,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """``(query [D], sources N x [B, T, D], key_norm_weight [D])``, all leaves requiring grad.
+    """``(query [D], sources N x [B, T, D], key_norm_weight [D])``, all leaves requiring grad; the query and
+    key-norm weight in ``param_dtype`` (default: the sources' dtype, so that it is the compute dtype).
 
     Sources have different magnitudes (so their norms differ); the logits have a standard deviation
     of about ``query_scale`` (2: a clearly non-uniform softmax). ``non_contiguous``: False or
@@ -62,8 +65,8 @@ def make_inputs(
         else:
             x = x.transpose(1, 2).contiguous()
         sources.append(x.requires_grad_())
-    query = query.to(device, param_dtype).requires_grad_()
-    weight = weight.to(device, param_dtype).requires_grad_()
+    query = query.to(device, param_dtype or dtype).requires_grad_()
+    weight = weight.to(device, param_dtype or dtype).requires_grad_()
     return query, sources, weight
 
 
@@ -74,6 +77,14 @@ def make_grads(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str
     grad_h = torch.randn(batch, seq, dim, generator=gen).to(device, dtype)
     grad_alpha = torch.randn(batch, seq, n_src, generator=gen).to(device)
     return grad_h, grad_alpha
+
+
+def compute_dtype(query, sources, weight) -> torch.dtype:
+    """The op's compute dtype (the autocast dtype under autocast, else the promoted dtype of the inputs)."""
+    device = sources[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return functools.reduce(torch.promote_types, [query.dtype, weight.dtype, *(x.dtype for x in sources)])
 
 
 def run_op(query, sources, weight, grad_h, grad_alpha, backend, **kwargs):
@@ -90,11 +101,14 @@ def run_op(query, sources, weight, grad_h, grad_alpha, backend, **kwargs):
 
 
 def truth(query, sources, weight, grad_h, grad_alpha, eps: float = 1e-6):
-    """The reference evaluated in float64 on the same (possibly rounded) inputs: ``(h, alpha, grads)``."""
-    q = query.detach().double().requires_grad_()
-    g = weight.detach().double().requires_grad_()
-    xs = [x.detach().double().requires_grad_() for x in sources]
-    h, alpha = attnres_reference(q, xs, g, eps)
+    """The reference evaluated in float64 on the same inputs, rounded to the compute dtype as the op rounds them:
+    ``(h, alpha, grads)``."""
+    dtype = compute_dtype(query, sources, weight)
+    q = query.detach().to(dtype).double().requires_grad_()
+    g = weight.detach().to(dtype).double().requires_grad_()
+    xs = [x.detach().to(dtype).double().requires_grad_() for x in sources]
+    with torch.autocast(sources[0].device.type, enabled=False):
+        h, alpha = attnres_reference(q, xs, g, eps)
     outs, grads = [h], [grad_h.double()]
     if grad_alpha is not None:
         outs.append(alpha)
@@ -122,6 +136,8 @@ def error_scales(query, sources, weight, grad_h, grad_alpha, eps: float = 1e-6) 
 
     Returns ``{"h": [..], "alpha": [..], "grads": [d_query, d_weight, *d_sources]}`` scales.
     """
+    dtype = compute_dtype(query, sources, weight)
+    query, weight, sources = query.to(dtype), weight.to(dtype), [x.to(dtype) for x in sources]
     w, g = query.detach().double(), weight.detach().double()
     xs = [x.detach().double().abs() for x in sources]
     dim = xs[0].shape[-1]
@@ -178,7 +194,7 @@ K_FP32 = 4
 
 
 def check_against_truth(result, expected, dtype: torch.dtype, scales: dict[str, list[torch.Tensor]]) -> None:
-    """Compare ``(h, alpha, grads)`` of a path run in ``dtype`` with :func:`truth` on the same inputs."""
+    """Compare ``(h, alpha, grads)`` of a path run in the compute dtype ``dtype`` with :func:`truth`."""
     h, alpha, grads = result
     h64, alpha64, grads64 = expected
     half = dtype if dtype in (torch.bfloat16, torch.float16) else None
@@ -188,19 +204,21 @@ def check_against_truth(result, expected, dtype: torch.dtype, scales: dict[str, 
     assert_scaled_close(alpha, alpha64, arithmetic, K_FP32, "alpha", scales["alpha"][0])
     names = ["d_query", "d_key_norm_weight"] + [f"d_sources[{i}]" for i in range(len(grads) - 2)]
     for i, (a, e, sc) in enumerate(zip(grads, grads64, scales["grads"])):
-        rounded = a.dtype if a.dtype in (torch.bfloat16, torch.float16) else None
+        # a gradient in a dtype coarser than the arithmetic (an input cast to the compute dtype) is rounded to it
+        rounded = a.dtype if torch.finfo(a.dtype).eps > eps_of(arithmetic) else half
         assert_scaled_close(a, e, arithmetic, K_FP32, names[i], sc, rounded)
 
 
-def check_run(query, sources, weight, grad_h, grad_alpha, backend, dtype: torch.dtype) -> None:
-    """Run ``backend`` on these inputs and compare everything with the float64 truth."""
+def check_run(query, sources, weight, grad_h, grad_alpha, backend) -> None:
+    """Run ``backend`` on these inputs and compare everything with the float64 truth (in the compute dtype)."""
     result = run_op(query, sources, weight, grad_h, grad_alpha, backend)
     expected = truth(query, sources, weight, grad_h, grad_alpha)
-    check_against_truth(result, expected, dtype, error_scales(query, sources, weight, grad_h, grad_alpha))
+    check_against_truth(result, expected, compute_dtype(query, sources, weight),
+                        error_scales(query, sources, weight, grad_h, grad_alpha))
 
 
 def run_and_check(shape, dtype, backend, device="cpu", **make_kwargs) -> None:
     """One full comparison of ``backend`` with the float64 truth (values, weights, all gradients)."""
     query, sources, weight = make_inputs(shape, dtype, device, **make_kwargs)
     grad_h, grad_alpha = make_grads(shape, dtype, device)
-    check_run(query, sources, weight, grad_h, grad_alpha, backend, dtype)
+    check_run(query, sources, weight, grad_h, grad_alpha, backend)

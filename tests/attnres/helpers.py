@@ -90,10 +90,8 @@ def naive_attnres_forward(model: AttnResForCausalLM, input_ids: torch.Tensor):
 
 
 def set_small_numel(monkeypatch, value: int) -> None:
-    """Move the op's small-input threshold ``SMALL_NUMEL`` (e.g. -1: tiny test shapes take the list path and the
-    shared-source paths); the op and the shared-source paths each read it from their own module."""
-    from depthfusion_hf.models.attnres import attnres, depth_buffer, shared_sources
+    """Move the torch backend's small-input threshold ``SMALL_NUMEL`` (e.g. -1: tiny test shapes take the forward
+    over the list of sources, the one training sizes take, instead of the stacked one of cached decoding)."""
+    from depthfusion_hf.models.attnres import attnres
 
     monkeypatch.setattr(attnres, "SMALL_NUMEL", value)
-    monkeypatch.setattr(shared_sources, "SMALL_NUMEL", value)
-    monkeypatch.setattr(depth_buffer, "SMALL_NUMEL", value)

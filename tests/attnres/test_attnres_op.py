@@ -17,12 +17,7 @@ from hypothesis import strategies as st
 
 import depthfusion_hf.ops
 from depthfusion_hf.models.attnres import attnres
-from depthfusion_hf.models.attnres.attnres import (
-    attention_residual,
-    attention_residual_with_backend,
-    attnres_reference,
-    resolve_backend,
-)
+from depthfusion_hf.models.attnres.attnres import attention_residual, attnres_reference, resolve_backend
 from tests.attnres._op_cases import (
     K_FP32,
     SHAPES,
@@ -96,7 +91,7 @@ def test_non_contiguous_sources_and_gradient(backend, dtype):
     assert not any(x.is_contiguous() for x in sources)
     grad_h = torch.randn(2, 20, 9).to(dtype).transpose(1, 2)  # a non-contiguous output gradient too
     _, grad_alpha = make_grads(shape, dtype)
-    check_run(query, sources, weight, grad_h, grad_alpha, backend, dtype)
+    check_run(query, sources, weight, grad_h, grad_alpha, backend)
 
 
 def test_last_dim_strided_sources(backend):
@@ -106,7 +101,7 @@ def test_last_dim_strided_sources(backend):
     assert all(x.stride(-1) == 2 for x in sources)
     query, _, weight = make_inputs((2, 5, 7, 3), torch.float32)
     grad_h, grad_alpha = make_grads((2, 5, 7, 3), torch.float32)
-    check_run(query, sources, weight, grad_h, grad_alpha, backend, torch.float32)
+    check_run(query, sources, weight, grad_h, grad_alpha, backend)
 
 
 def test_stacked_tensor_of_sources(backend):
@@ -181,7 +176,7 @@ def test_bf16_parameters(backend):
     shape = (2, 5, 16, 4)
     query, sources, weight = make_inputs(shape, torch.bfloat16, param_dtype=torch.bfloat16)
     grad_h, grad_alpha = make_grads(shape, torch.bfloat16)
-    check_run(query, sources, weight, grad_h, grad_alpha, backend, torch.bfloat16)
+    check_run(query, sources, weight, grad_h, grad_alpha, backend)
     h, alpha = attention_residual(query, sources, weight, return_weights=True, backend=backend)
     d_query, d_weight = torch.autograd.grad(h, [query, weight], grad_h)
     assert d_query.dtype == torch.bfloat16 and d_weight.dtype == torch.bfloat16
@@ -220,16 +215,69 @@ def test_float64_stays_float64(backend):
     h, alpha = attention_residual(query, sources, weight, return_weights=True, backend=backend)
     assert h.dtype == torch.float64 and alpha.dtype == torch.float64
     grad_h, grad_alpha = make_grads((1, 3, 6, 2), torch.float64)
-    check_run(query, sources, weight, grad_h, grad_alpha, backend, torch.float64)
+    check_run(query, sources, weight, grad_h, grad_alpha, backend)
 
 
-def test_autocast_keeps_fp32_math(backend):
-    """Under CPU bf16 autocast the op computes as without it (fp32 inputs: fp32 results)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_computes_in_the_autocast_dtype(backend, dtype):
+    """Under CPU autocast the compute dtype is the autocast dtype (like SDPA): fp32 inputs, and an fp32 embedding
+    beside half-precision outputs (what a model gives), are cast to it; h comes back in it, gradients in the
+    inputs' own dtypes, each equal to the float64 reference on the rounded inputs."""
     shape = (2, 5, 16, 4)
     query, sources, weight = make_inputs(shape, torch.float32)
+    sources = [sources[0]] + [x.detach().to(dtype).requires_grad_() for x in sources[1:]]
+    grad_h, grad_alpha = make_grads(shape, dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        h = attention_residual(query, sources, weight, backend=backend)
+        assert h.dtype == dtype
+        check_run(query, sources, weight, grad_h, grad_alpha, backend)
+    grads = torch.autograd.grad(h, [query, *sources], grad_h)
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32] + [dtype] * 3
+
+
+@pytest.mark.parametrize(("source_dtype", "param_dtype", "expected"), [
+    (torch.bfloat16, torch.float32, torch.float32),  # half-precision sources, an fp32 call: fp32
+    (torch.float32, torch.bfloat16, torch.float32),  # bf16 calls in an fp32 model: fp32 (not rounded to bf16)
+    (torch.float32, torch.float64, torch.float64),  # fp32 calls in a float64 model: float64
+    (torch.float16, torch.float16, torch.float16),
+])
+def test_compute_dtype_is_the_promoted_input_dtype(backend, source_dtype, param_dtype, expected):
+    shape = (2, 3, 10, 3)
+    query, sources, weight = make_inputs(shape, source_dtype, param_dtype=param_dtype)
+    h = attention_residual(query, sources, weight, backend=backend)
+    assert h.dtype == expected
+    grad_h, grad_alpha = make_grads(shape, source_dtype)
+    check_run(query, sources, weight, grad_h, grad_alpha, backend)
+
+
+def test_mixed_source_dtypes_are_promoted(backend):
+    """An fp32 source beside bf16 ones (no autocast): computed in fp32, as the reference does on fp32 copies."""
+    shape = (2, 4, 12, 3)
+    query, sources, weight = make_inputs(shape, torch.float32)
+    sources = [sources[0], *(x.detach().bfloat16().requires_grad_() for x in sources[1:])]
     grad_h, grad_alpha = make_grads(shape, torch.float32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        check_run(query, sources, weight, grad_h, grad_alpha, backend, torch.float32)
+    check_run(query, sources, weight, grad_h, grad_alpha, backend)
+
+
+def test_without_autograd_equals_with_it(backend):
+    """Under ``no_grad`` / ``inference_mode`` the dispatcher runs the forward without an autograd node: the same
+    values bit for bit."""
+    query, sources, weight = make_inputs((2, 7, 12, 5), torch.float32)
+    want = attention_residual(query, sources, weight, return_weights=True, backend=backend)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            got = attention_residual(query, sources, weight, return_weights=True, backend=backend)
+        assert all(torch.equal(a, b.detach()) for a, b in zip(got, want))
+
+
+def test_meta_device(backend):
+    """A forward on the meta device (used to size and plan models) gives the shapes and dtypes (before: the
+    autocast query failed on 'meta')."""
+    query, weight = torch.zeros(8, device="meta"), torch.ones(8, device="meta")
+    sources = [torch.zeros(2, 3, 8, device="meta") for _ in range(4)]
+    h, alpha = attention_residual(query, sources, weight, return_weights=True, backend=backend)
+    assert h.device.type == alpha.device.type == "meta"
+    assert h.shape == (2, 3, 8) and alpha.shape == (2, 3, 4) and alpha.dtype == torch.float32
 
 
 def test_eps_is_used(backend):
@@ -280,14 +328,16 @@ def test_float64_work_is_routed_away_from_triton(monkeypatch, where):
     def kernel(*args):
         raise AssertionError("the Triton kernel must not receive float64 work")
 
+    monkeypatch.setattr(attnres, "attnres_triton_available", lambda: True)
+    monkeypatch.setattr(attnres, "attnres_triton_runs_on", lambda device: True)
     monkeypatch.setattr(attnres, "triton_attention_residual", kernel)
+    monkeypatch.setattr(attnres, "TRITON_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
     dtype = torch.float64 if where == "sources" else torch.float32
     query, sources, weight = make_inputs((1, 3, 6, 2), dtype, param_dtype=torch.float64)
-    h = attention_residual_with_backend(query, sources, weight, 1e-6, False, "triton")
+    h = attention_residual(query, sources, weight, backend="triton")
     h64, _, _ = truth(query, sources, weight, torch.zeros(1, 3, 6), None)
-    assert h.dtype == dtype
-    rounded = torch.float32 if dtype == torch.float32 else None  # computed in float64, rounded to fp32
-    assert_scaled_close(h, h64, torch.float64, 64, "h", rounded_to=rounded)
+    assert h.dtype == torch.float64  # the promoted dtype of the inputs
+    assert_scaled_close(h, h64, torch.float64, 64, "h")
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -321,7 +371,7 @@ BAD_INPUTS = {
     "shape": [
         ("2d-source", dict(sources=[torch.zeros(3, 4)]), r"sources must have shape \[B, T, D\]"),
         ("4d-source", dict(sources=[torch.zeros(1, 2, 3, 4)]), r"sources must have shape \[B, T, D\]"),
-        ("mismatched-shapes", dict(sources=[_X, torch.zeros(2, 5, 4)]), "share shape, dtype and device"),
+        ("mismatched-shapes", dict(sources=[_X, torch.zeros(2, 5, 4)]), "share shape and device"),
         ("zero-hidden", dict(sources=[torch.zeros(2, 3, 0)], query=torch.zeros(0), key_norm_weight=torch.ones(0)),
          "hidden size D >= 1"),
         ("query-wrong-d", dict(query=torch.zeros(5)), r"query must have shape \[D=4\]"),
@@ -335,12 +385,13 @@ BAD_INPUTS = {
         ("complex-sources", dict(sources=[torch.zeros(2, 3, 4, dtype=torch.complex64)]), "floating dtype"),
         ("int-query", dict(query=torch.zeros(4, dtype=torch.int32)), "query must have a floating dtype"),
         ("int-weight", dict(key_norm_weight=torch.ones(4, dtype=torch.int64)), "key_norm_weight must have a floating"),
-        ("mixed-source-dtypes", dict(sources=[_X, _X.to(torch.bfloat16)]), "share shape, dtype and device"),
+        ("int-among-floats", dict(sources=[_X, torch.zeros(2, 3, 4, dtype=torch.int32)]),
+         r"sources\[1\] must have a floating"),
         ("query-not-tensor", dict(query=[0.0] * 4), "query must be a torch.Tensor"),
     ],
     "device": [
         ("sources-on-two-devices", dict(sources=[_X, torch.zeros(2, 3, 4, device="meta")]),
-         "share shape, dtype and device"),
+         "share shape and device"),
         ("query-elsewhere", dict(query=torch.zeros(4, device="meta")), "query must be on the sources' device"),
         ("weight-elsewhere", dict(key_norm_weight=torch.ones(4, device="meta")),
          "key_norm_weight must be on the sources' device"),

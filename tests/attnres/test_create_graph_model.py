@@ -1,11 +1,10 @@
-"""A backward with ``create_graph=True`` through the AttnRes model (found by review): the torch backend's custom
-backwards answer it by differentiating the reference formula with ``torch.autograd.grad`` with respect to their
-saved inputs. Those inputs depend on one another through the model's forward graph (a later source is computed
-from an earlier one; a source from the keys through earlier calls), so a gradient taken with respect to the
-inputs themselves is the total derivative through the forward, not the call's own: every gradient came out wrong,
-first order included. Checked here against the reference backend (plain autograd) in float64, on the logit-rows
-path (the calls' ``_MixFromRows`` and ``_SourceRows``) and the per-call path (the op's ``_AttentionResidual``):
-the first-order gradients taken with ``create_graph=True`` and a second-order gradient through them.
+"""A backward with ``create_graph=True`` through the AttnRes model (found by review in an earlier version): its
+custom backward answered it by differentiating the reference with ``torch.autograd.grad`` with respect to its saved
+inputs, which depend on one another through the model's forward (a later source is computed from an earlier one),
+so the gradient came out as the total derivative through the forward: every gradient was wrong, first order
+included. The torch backend's backward is now written in differentiable operators; checked here against the
+reference backend (plain autograd) in float64: the first-order gradients taken with ``create_graph=True`` and a
+second-order gradient through them.
 
 Eager attention: SDPA's fused CPU kernel has no double backward.
 """
@@ -15,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthfusion_hf.models.attnres import AttnResForCausalLM, modeling_attnres
+from depthfusion_hf.models.attnres import AttnResForCausalLM
 
 from .helpers import randomise_attnres, set_small_numel, tiny_config
 
@@ -40,14 +39,14 @@ def first_and_second_order(model: AttnResForCausalLM, ids: torch.Tensor) -> list
     return [g.detach() for g in grads] + [torch.zeros_like(p) if s is None else s for p, s in zip(params, second)]
 
 
-@pytest.mark.parametrize("rows", [True, False], ids=["logit-rows", "per-call"])
+@pytest.mark.parametrize("forward", ["list", "stacked"])
 @pytest.mark.parametrize("block_size", [None, 3], ids=lambda s: f"block{s}")
-def test_create_graph_gradients_equal_reference_backend(monkeypatch, rows, block_size):
-    set_small_numel(monkeypatch, -1)  # tiny shapes take the torch backend's list path (its custom Functions)
-    if not rows:
-        monkeypatch.setattr(modeling_attnres, "uses_logit_rows", lambda *args: False)
+def test_create_graph_gradients_equal_reference_backend(monkeypatch, forward, block_size):
+    if forward == "list":
+        set_small_numel(monkeypatch, -1)  # tiny shapes take the forward training sizes take
     model = eager_float64_model(block_size)
     ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setenv("DEPTHFUSION_BACKEND", "torch")
     got = first_and_second_order(model, ids)
     monkeypatch.setenv("DEPTHFUSION_BACKEND", "reference")
     want = first_and_second_order(model, ids)

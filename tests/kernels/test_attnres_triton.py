@@ -68,11 +68,11 @@ def test_non_contiguous_sources_and_gradient(dtype):
     assert not any(x.is_contiguous() for x in sources)
     grad_h = torch.randn(2, 20, 9).to(DEVICE, dtype).transpose(1, 2)
     _, grad_alpha = make_grads(shape, dtype, DEVICE)
-    check_run(query, sources, weight, grad_h, grad_alpha, "triton", dtype)
+    check_run(query, sources, weight, grad_h, grad_alpha, "triton")
 
 
 def test_stacked_tensor_views_with_offsets():
-    """A [N, B, T, D] tensor is unbound into views at non-zero offsets: the pointer array must honour them."""
+    """A [N, B, T, D] tensor is unbound into views at non-zero offsets: the pointer arguments must honour them."""
     query, sources, weight = make_inputs((2, 4, 10, 3), torch.float32, DEVICE)
     stacked = torch.stack([x.detach() for x in sources]).requires_grad_()
     grad_h, _ = make_grads((2, 4, 10, 3), torch.float32, DEVICE)
@@ -86,7 +86,7 @@ def test_stacked_tensor_views_with_offsets():
 
 
 def test_same_tensor_twice():
-    """A source listed twice: the pointer array holds it twice; its gradients add up."""
+    """A source listed twice: two pointer arguments to one tensor; its gradients add up."""
     query, (x, y), weight = make_inputs((2, 5, 12, 2), torch.float32, DEVICE)
     grad_h, _ = make_grads((2, 5, 12, 3), torch.float32, DEVICE)
     h = attention_residual(query, [x, y, x], weight, backend="triton")
@@ -153,6 +153,9 @@ def test_float64_is_routed_to_torch_and_kernel_rejects_it():
     assert_scaled_close(h, h64, torch.float64, 64, "h")
     with pytest.raises(ValueError, match="Triton attention_residual computes in fp32"):
         attnres_triton.triton_attention_residual(query, sources, weight, 1e-6)
+    with pytest.raises(ValueError, match="needs sources of one dtype"):  # the kernel reads every pointer as one
+        attnres_triton.triton_attention_residual(query.float(), [sources[0].float(), sources[1].bfloat16()],
+                                                 weight.float(), 1e-6)
 
 
 @pytest.mark.parametrize("batch,seq", [(0, 4), (2, 0)])

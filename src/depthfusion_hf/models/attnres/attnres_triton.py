@@ -1,42 +1,33 @@
-"""Fused Triton kernels for Attention Residuals: ``h = sum_i softmax_i(w . RMSNorm_g(v_i)) v_i`` per token.
+"""Fused Triton kernels for Attention Residuals: the formulas of ``attnres.py``'s docstring, per token.
 
-Layout: the N sources [B, T, D] are passed as a device array of their data pointers (as in
-``denseformer/dwa_triton.py``), so one launch reads every source exactly once and nothing is stacked
-(a [N, B, T, D] stack would copy all sources every call, and the sources of a model are separate
-tensors). Each program owns ``BLOCK_T`` tokens and whole rows of ``D`` (``BLOCK_D = next_pow2(D)``):
-a token's logit needs the full row for its norm and its dot product, so rows are never split.
+**Launches.** The sources are kernel *arguments*: up to ``SOURCES_PER_LAUNCH`` pointers per launch
+(``x0..x7``; unused slots repeat ``x0``; the count ``N_CHUNK`` is a compile-time constant), launches chained
+for more. Nothing is built on the host per call (no table of ``data_ptr()``s), so the launches can be
+captured in a CUDA graph and traced by dynamo, and each pointer keeps its alignment specialisation (vector
+loads). Launches run under the tensors' device (``torch.cuda.device``) on its current stream. Each program
+owns ``BLOCK_T`` tokens and whole rows of ``D`` (``BLOCK_D = next_pow2(D)``): a logit needs the full row.
 
-- forward (:func:`attnres_fwd_kernel`): with ``u = w * g`` (fp32), for each source in turn it loads
-  the row once, computes ``r_i = rsqrt(mean(v_i^2) + eps)`` and the logit ``s_i = r_i (u . v_i)``,
-  and folds ``v_i`` into an online softmax (running max, running sum, fp32 accumulator). It writes h,
-  the per-token log-sum-exp ``lse`` and the logits (alpha = exp(logit - lse), [M, N], is formed by
-  the caller).
-- backward (:func:`attnres_bwd_kernel`): per token ``delta = sum_j alpha_j dalpha_j``, which is
-  ``dh . h`` (+ the alpha-gradient term) from the saved output for fp32 sources; for half types a
-  rounded h would perturb every ``ds_i`` (percent-level errors in ``dw`` once the softmax is peaked),
-  so a first pass over the sources sums ``alpha_j (dh . v_j)`` exactly. Then one pass over the
-  sources: recompute ``r_i``, ``s_i``,
-  ``alpha_i = exp(s_i - lse)``, ``dalpha_i = dh . v_i``, ``ds_i = alpha_i (dalpha_i - delta)`` and
-  write ``dv_i = alpha_i dh + ds_i r_i u - ds_i s_i r_i^2 v_i / D``; ``du += sum ds_i r_i v_i``.
-  A fixed grid of programs loops over token tiles and each writes its partial ``du`` [D] to a
-  ``[programs, D]`` fp32 buffer, summed in a fixed order afterwards: deterministic, no atomics.
-  ``dw = du * g``, ``dg = du * w``.
+- forward (:func:`attnres_fwd_kernel`): per source one read of its row gives ``p_i`` and ``r_i`` (stored
+  [M, N] fp32) and one step of an online softmax (running max, running sum, fp32 accumulator); a chained
+  launch carries those three through fp32 buffers and the last writes h and the log-sum-exp. The caller forms
+  ``alpha = exp(p r - lse)``.
+- backward: :func:`attnres_dots_kernel` writes ``dalpha_i = dh . v_i`` [M, N]; the caller forms ``ds``,
+  ``b``, ``e`` ([M, N] fp32); :func:`attnres_grads_kernel` writes ``dv_i = alpha_i dh + b_i u + e_i v_i`` and
+  its program's partial ``du = sum b_i v_i`` (a fixed grid looping over token tiles, each program adding into
+  its row of a [programs, D] fp32 buffer, summed in a fixed order afterwards: deterministic, no atomics).
 
-Traffic per token, in rows of D: forward ``N + 1`` (one read of each source); backward ``2N + 2`` in
-fp32 (sources, dh, h in; source gradients out), ``3N + 1`` for half types (the delta pass reads the
-sources once more).
+Traffic per token, in rows of D: forward ``N + 1`` (+ 2 per chained launch), backward ``3N + 2``. Offsets are
+64-bit (token index times D or N); grids are one-dimensional (axis 0 allows 2^31 - 1 programs). Every input
+is in one dtype (fp32, bf16 or fp16: the dispatcher casts to the compute dtype; the launcher checks); the
+arithmetic is fp32 (elementwise FMAs and row sums: no tensor-core product, so TF32 never applies). The
+backward is first-order: under ``create_graph=True`` it raises a RuntimeError.
 
-Second-order gradients are not implemented here: a backward under ``create_graph=True`` raises
-RuntimeError (the dispatcher's torch and reference backends compute them).
-
-Triton is optional: it is imported inside ``try/except`` so that this file (copied next to the model
-code for ``trust_remote_code`` loading) imports everywhere. Without a GPU the kernels run under
-``TRITON_INTERPRET=1``, which must be set before this module is imported. This module never imports
-the dispatcher (``attnres.py``).
+Triton is optional: it is imported inside ``try/except`` so that this file (copied next to the model code for
+``trust_remote_code`` loading) imports everywhere. Without a GPU the kernels run under ``TRITON_INTERPRET=1``,
+which must be set before this module is imported. This module never imports the dispatcher (``attnres.py``).
 """
 
-from __future__ import annotations
-
+import contextlib
 import os
 from types import ModuleType
 
@@ -60,9 +51,9 @@ triton, tl, _TRITON_IMPORT_ERROR = import_triton()
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-# Largest hidden size: a program holds whole rows (Triton caps a block at 2**20 elements).
-MAX_DIM = 1 << 16
+# Largest hidden size: a program holds whole rows (larger rows would spill registers).
+MAX_DIM = 1 << 14
+SOURCES_PER_LAUNCH = 8  # pointer arguments per launch (x0..x7)
 
 # Interpreted runs: elements per token tile and the number of backward programs (tests lower them to
 # exercise several tiles per program and masked tails).
@@ -87,20 +78,37 @@ def attnres_triton_runs_on(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _pick(i: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7):
+        """Pointer argument ``i`` of a launch (``i`` is a compile-time constant: no selection at run time)."""
+        x = x0
+        if i == 1:
+            x = x1
+        if i == 2:
+            x = x2
+        if i == 3:
+            x = x3
+        if i == 4:
+            x = x4
+        if i == 5:
+            x = x5
+        if i == 6:
+            x = x6
+        if i == 7:
+            x = x7
+        return x
+
+    @triton.jit
     def attnres_fwd_kernel(
-        p_x_ptrs,  # [N] int64: data pointers of the N contiguous sources, each [M, D]
+        x0, x1, x2, x3, x4, x5, x6, x7,  # this launch's sources, each [M, D] contiguous
         p_u,  # [D] fp32: w * g
-        p_h,  # [M, D] output, the sources' dtype
-        p_lse,  # [M] fp32: log-sum-exp of the logits
-        p_logits,  # [M, N] fp32
-        M,
-        D,
-        N,
-        eps,
-        BLOCK_T: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        p_p, p_r,  # [M, N] fp32: p_i and r_i (this launch writes columns FIRST_COL .. FIRST_COL + N_CHUNK - 1)
+        p_m, p_l, p_acc,  # [M], [M], [M, D] fp32: the online softmax carried between chained launches
+        p_h, p_lse,  # [M, D] in the sources' dtype, [M] fp32: written by the last launch
+        M, D, N, first_col, eps,
+        N_CHUNK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        """One tile of ``BLOCK_T`` tokens: online softmax over the N sources, one read of each."""
+        """One tile of ``BLOCK_T`` tokens: the online softmax over this launch's sources, one read of each."""
         o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         m_t = o_t < M
         o_d = tl.arange(0, BLOCK_D)
@@ -108,129 +116,126 @@ if triton is not None:
         m_td = m_t[:, None] & m_d[None, :]
         o_td = o_t[:, None] * D + o_d[None, :]
         b_u = tl.load(p_u + o_d, mask=m_d, other=0.0)
-        b_m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
-        b_l = tl.zeros([BLOCK_T], dtype=tl.float32)
-        b_acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-        for i_n in range(N):
-            p_x = tl.load(p_x_ptrs + i_n).to(tl.pointer_type(p_h.dtype.element_ty))
-            b_x = tl.load(p_x + o_td, mask=m_td, other=0.0).to(tl.float32)
+        if FIRST:
+            b_m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+            b_l = tl.zeros([BLOCK_T], dtype=tl.float32)
+            b_acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        else:
+            b_m = tl.load(p_m + o_t, mask=m_t, other=0.0)
+            b_l = tl.load(p_l + o_t, mask=m_t, other=1.0)
+            b_acc = tl.load(p_acc + o_td, mask=m_td, other=0.0)
+        for i in tl.static_range(N_CHUNK):
+            b_x = tl.load(_pick(i, x0, x1, x2, x3, x4, x5, x6, x7) + o_td, mask=m_td, other=0.0).to(tl.float32)
+            b_p = tl.sum(b_x * b_u[None, :], axis=1)
             b_r = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
-            b_s = tl.sum(b_x * b_u[None, :], axis=1) * b_r
-            tl.store(p_logits + o_t * N + i_n, b_s, mask=m_t)
-            b_m_new = tl.maximum(b_m, b_s)
+            tl.store(p_p + o_t * N + first_col + i, b_p, mask=m_t)
+            tl.store(p_r + o_t * N + first_col + i, b_r, mask=m_t)
+            b_m_new = tl.maximum(b_m, b_p * b_r)
             b_scale = tl.exp(b_m - b_m_new)
-            b_p = tl.exp(b_s - b_m_new)
-            b_acc = b_acc * b_scale[:, None] + b_p[:, None] * b_x
-            b_l = b_l * b_scale + b_p
+            b_e = tl.exp(b_p * b_r - b_m_new)
+            b_acc = b_acc * b_scale[:, None] + b_e[:, None] * b_x
+            b_l = b_l * b_scale + b_e
             b_m = b_m_new
-        tl.store(p_h + o_td, (b_acc / b_l[:, None]).to(p_h.dtype.element_ty), mask=m_td)
-        tl.store(p_lse + o_t, b_m + tl.log(b_l), mask=m_t)
+        if LAST:
+            tl.store(p_h + o_td, (b_acc / b_l[:, None]).to(p_h.dtype.element_ty), mask=m_td)
+            tl.store(p_lse + o_t, b_m + tl.log(b_l), mask=m_t)
+        else:
+            tl.store(p_m + o_t, b_m, mask=m_t)
+            tl.store(p_l + o_t, b_l, mask=m_t)
+            tl.store(p_acc + o_td, b_acc, mask=m_td)
 
     @triton.jit
-    def attnres_bwd_kernel(
-        p_x_ptrs,  # [N] int64: data pointers of the sources, each [M, D] contiguous
-        p_dx_ptrs,  # [N] int64: data pointers of the source gradients (written when HAS_DX)
-        p_u,  # [D] fp32: w * g
-        p_h,  # [M, D] the forward output (sources' dtype)
-        p_dh,  # [M, D] its gradient (sources' dtype)
-        p_lse,  # [M] fp32
-        p_da,  # [M, N] fp32: gradient of alpha (read when HAS_DA)
-        p_ca,  # [M] fp32: sum_j alpha_j * da_j (read when HAS_DA)
-        p_du_partial,  # [num_programs, D] fp32 (written when HAS_DU)
-        M,
-        D,
-        N,
-        eps,
-        NUM_TILES,
-        BLOCK_T: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        HAS_DX: tl.constexpr,
-        HAS_DU: tl.constexpr,
-        HAS_DA: tl.constexpr,
-        DELTA_FROM_H: tl.constexpr,
+    def attnres_dots_kernel(
+        x0, x1, x2, x3, x4, x5, x6, x7,  # this launch's sources, each [M, D] contiguous
+        p_dh,  # [M, D] the gradient of h, in the sources' dtype
+        p_da,  # [M, N] fp32: dalpha_i = dh . v_i (columns first_col ..)
+        M, D, N, first_col,
+        N_CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        """Token tiles ``pid, pid + programs, ...``: source gradients and this program's partial ``du``."""
+        """One tile of ``BLOCK_T`` tokens: ``dh . v_i`` for this launch's sources."""
+        o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        m_t = o_t < M
+        o_d = tl.arange(0, BLOCK_D)
+        m_td = m_t[:, None] & (o_d < D)[None, :]
+        o_td = o_t[:, None] * D + o_d[None, :]
+        b_dh = tl.load(p_dh + o_td, mask=m_td, other=0.0).to(tl.float32)
+        for i in tl.static_range(N_CHUNK):
+            b_x = tl.load(_pick(i, x0, x1, x2, x3, x4, x5, x6, x7) + o_td, mask=m_td, other=0.0).to(tl.float32)
+            tl.store(p_da + o_t * N + first_col + i, tl.sum(b_dh * b_x, axis=1), mask=m_t)
+
+    @triton.jit
+    def attnres_grads_kernel(
+        x0, x1, x2, x3, x4, x5, x6, x7,  # this launch's sources, each [M, D] contiguous
+        g0, g1, g2, g3, g4, g5, g6, g7,  # their gradients (written when HAS_DX), same layout and dtype
+        p_u,  # [D] fp32: w * g
+        p_dh,  # [M, D] the gradient of h, in the sources' dtype
+        p_alpha, p_b, p_e,  # [M, N] fp32: alpha_i, b_i = ds_i r_i, e_i = -b_i p_i r_i^2 / D
+        p_du,  # [programs, D] fp32: each program adds its partial du to its row (when HAS_DU)
+        M, D, N, first_col, NUM_TILES,
+        N_CHUNK: tl.constexpr, HAS_DX: tl.constexpr, HAS_DU: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """Token tiles ``pid, pid + programs, ...``: the sources' gradients and this program's partial ``du``."""
         i_p = tl.program_id(0)
-        n_p = tl.num_programs(0)
         o_d = tl.arange(0, BLOCK_D)
         m_d = o_d < D
         b_u = tl.load(p_u + o_d, mask=m_d, other=0.0)
         b_du = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i_tile in range(i_p, NUM_TILES, n_p):
+        for i_tile in range(i_p, NUM_TILES, tl.num_programs(0)):
             o_t = tl.arange(0, BLOCK_T).to(tl.int64) + i_tile * BLOCK_T  # i_tile * BLOCK_T < M + BLOCK_T
             m_t = o_t < M
             m_td = m_t[:, None] & m_d[None, :]
             o_td = o_t[:, None] * D + o_d[None, :]
             b_dh = tl.load(p_dh + o_td, mask=m_td, other=0.0).to(tl.float32)
-            b_lse = tl.load(p_lse + o_t, mask=m_t, other=0.0)
-            if DELTA_FROM_H:  # fp32: the saved output is the accumulated h
-                b_h = tl.load(p_h + o_td, mask=m_td, other=0.0).to(tl.float32)
-                b_delta = tl.sum(b_dh * b_h, axis=1)
-            else:  # half types: a rounded h would perturb every ds_i, so sum alpha_j (dh . v_j) exactly
-                b_delta = tl.zeros([BLOCK_T], dtype=tl.float32)
-                for j_n in range(N):
-                    p_x = tl.load(p_x_ptrs + j_n).to(tl.pointer_type(p_h.dtype.element_ty))
-                    b_x = tl.load(p_x + o_td, mask=m_td, other=0.0).to(tl.float32)
-                    b_r = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
-                    b_s = tl.sum(b_x * b_u[None, :], axis=1) * b_r
-                    b_a = tl.where(m_t, tl.exp(b_s - b_lse), 0.0)
-                    b_delta += b_a * tl.sum(b_dh * b_x, axis=1)
-            if HAS_DA:
-                b_delta += tl.load(p_ca + o_t, mask=m_t, other=0.0)
-            for i_n in range(N):
-                p_x = tl.load(p_x_ptrs + i_n).to(tl.pointer_type(p_h.dtype.element_ty))
-                b_x = tl.load(p_x + o_td, mask=m_td, other=0.0).to(tl.float32)
-                b_r = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
-                b_s = tl.sum(b_x * b_u[None, :], axis=1) * b_r
-                b_a = tl.where(m_t, tl.exp(b_s - b_lse), 0.0)
-                b_dalpha = tl.sum(b_dh * b_x, axis=1)
-                if HAS_DA:
-                    b_dalpha += tl.load(p_da + o_t * N + i_n, mask=m_t, other=0.0)
-                b_cu = b_a * (b_dalpha - b_delta) * b_r  # ds_i * r_i
+            for i in tl.static_range(N_CHUNK):
+                b_x = tl.load(_pick(i, x0, x1, x2, x3, x4, x5, x6, x7) + o_td, mask=m_td, other=0.0).to(tl.float32)
+                o_c = o_t * N + first_col + i
+                b_b = tl.load(p_b + o_c, mask=m_t, other=0.0)
                 if HAS_DX:
-                    p_dx = tl.load(p_dx_ptrs + i_n).to(tl.pointer_type(p_h.dtype.element_ty))
-                    b_cv = b_cu * b_s * b_r / D
-                    b_dx = b_a[:, None] * b_dh + b_cu[:, None] * b_u[None, :] - b_cv[:, None] * b_x
-                    tl.store(p_dx + o_td, b_dx.to(p_h.dtype.element_ty), mask=m_td)
+                    b_a = tl.load(p_alpha + o_c, mask=m_t, other=0.0)
+                    b_e = tl.load(p_e + o_c, mask=m_t, other=0.0)
+                    b_dx = b_a[:, None] * b_dh + b_b[:, None] * b_u[None, :] + b_e[:, None] * b_x
+                    p_g = _pick(i, g0, g1, g2, g3, g4, g5, g6, g7)
+                    tl.store(p_g + o_td, b_dx.to(p_g.dtype.element_ty), mask=m_td)
                 if HAS_DU:
-                    b_du += tl.sum(b_cu[:, None] * b_x, axis=0)
+                    b_du += tl.sum(b_b[:, None] * b_x, axis=0)
         if HAS_DU:
-            tl.store(p_du_partial + i_p * D + o_d, b_du, mask=m_d)
+            b_du += tl.load(p_du + i_p * D + o_d, mask=m_d, other=0.0)
+            tl.store(p_du + i_p * D + o_d, b_du, mask=m_d)
 
 
 def _tile(dim: int, elements: int) -> tuple[int, int]:
-    """``(BLOCK_T, BLOCK_D)``: whole rows, about ``elements`` per tile."""
+    """``(BLOCK_T, BLOCK_D)``: whole rows, about ``elements`` per tile (``INTERPRET_TILE_ELEMENTS`` interpreted)."""
     block_d = triton.next_power_of_2(dim)
+    elements = INTERPRET_TILE_ELEMENTS if _INTERPRET else elements
     return max(1, min(64, elements // block_d)), block_d
 
 
 def _num_warps(block_t: int, block_d: int) -> int:
     """Warps per program: about 512 tile elements per warp, 4 to 16."""
-    if _INTERPRET:
-        return 1
-    return min(16, max(4, block_t * block_d // 512))
+    return 1 if _INTERPRET else min(16, max(4, block_t * block_d // 512))
 
 
-def _num_programs(num_tiles: int, device: torch.device) -> int:
-    """Backward grid: a fixed number of programs (deterministic partial sums), at most one per tile."""
-    if _INTERPRET:
-        cap = INTERPRET_MAX_PROGRAMS
-    else:
-        cap = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(num_tiles, cap))
+def _launches(tensors: list[torch.Tensor]):
+    """``(first column, SOURCES_PER_LAUNCH pointer arguments, count)`` per chained launch."""
+    for first in range(0, len(tensors), SOURCES_PER_LAUNCH):
+        part = tensors[first : first + SOURCES_PER_LAUNCH]
+        yield first, part + part[:1] * (SOURCES_PER_LAUNCH - len(part)), len(part)
 
 
-def _pointer_array(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """[N] int64 tensor of the data pointers of ``tensors`` (contiguous), on ``device``."""
-    ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-    return ptrs.to(device, non_blocking=True) if device.type != "cpu" else ptrs
+def _on(device: torch.device):
+    """The device guard of a launch: Triton launches on the current device's current stream."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check(query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: torch.Tensor) -> None:
     if triton is None:
         raise RuntimeError(f"Triton is not available: {_TRITON_IMPORT_ERROR!r}")
     first = sources[0]
-    if first.dtype not in SUPPORTED_DTYPES or query.dtype == torch.float64 or key_norm_weight.dtype == torch.float64:
+    if any(x.dtype != first.dtype or x.shape != first.shape or x.device != first.device for x in sources):
+        raise ValueError("the Triton attention_residual needs sources of one dtype, shape and device (the dispatcher "
+                         f"casts them to the compute dtype); got {[(x.dtype, tuple(x.shape)) for x in sources]}")
+    if first.dtype not in SUPPORTED_DTYPES or torch.float64 in (query.dtype, key_norm_weight.dtype):
         raise ValueError(
             f"the Triton attention_residual computes in fp32 and supports sources in {SUPPORTED_DTYPES} with "
             f"non-float64 query and key_norm_weight; got {first.dtype}, {query.dtype}, {key_norm_weight.dtype} "
@@ -239,84 +244,86 @@ def _check(query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: to
     if first.shape[-1] > MAX_DIM:
         raise ValueError(f"the Triton attention_residual supports D <= {MAX_DIM}; got D={first.shape[-1]}")
     if first.device.type != "cuda" and not _INTERPRET:
-        raise ValueError(
-            f"the Triton attention_residual needs CUDA tensors (or TRITON_INTERPRET=1); got {first.device}"
-        )
+        raise ValueError(f"the Triton attention_residual needs CUDA tensors (or TRITON_INTERPRET=1); "
+                         f"got {first.device}")
 
 
 class _TritonAttentionResidual(torch.autograd.Function):
-    """Autograd wrapper of the fused kernels (inputs: query, key_norm_weight, eps, *sources; outputs: h, alpha)."""
+    """Autograd wrapper of the kernels (inputs: query, key_norm_weight, eps, *sources; outputs: h, alpha)."""
 
     @staticmethod
     def forward(ctx, query, key_norm_weight, eps, *sources):  # noqa: D102
-        first = sources[0]
-        batch, seq, dim = first.shape
-        n_src = len(sources)
-        num_tokens = batch * seq
-        device = first.device
+        xs = [x.detach().contiguous() for x in sources]
+        shape, n_src, device = xs[0].shape, len(xs), xs[0].device
+        dim = shape[-1]
+        tokens = xs[0].numel() // dim
         u = (query.detach().float() * key_norm_weight.detach().float()).contiguous()
-        h = torch.empty(first.shape, dtype=first.dtype, device=device)
-        lse = torch.empty(num_tokens, dtype=torch.float32, device=device)
-        logits = torch.empty((num_tokens, n_src), dtype=torch.float32, device=device)
-        if num_tokens > 0:
-            xs = [x.detach().contiguous() for x in sources]
-            block_t, block_d = _tile(dim, INTERPRET_TILE_ELEMENTS if _INTERPRET else 8192)
-            attnres_fwd_kernel[(triton.cdiv(num_tokens, block_t),)](
-                _pointer_array(xs, device), u, h, lse, logits, num_tokens, dim, n_src, eps,
-                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_num_warps(block_t, block_d),
-            )
-        alpha = torch.exp(logits - lse[:, None]).view(batch, seq, n_src)
-        ctx.eps = eps
+        h = torch.empty(shape, dtype=xs[0].dtype, device=device)
+        p, r = (torch.empty((tokens, n_src), dtype=torch.float32, device=device) for _ in range(2))
+        lse = torch.empty(tokens, dtype=torch.float32, device=device)
+        chained = n_src > SOURCES_PER_LAUNCH
+        state = (torch.empty_like(lse), torch.empty_like(lse), torch.empty((tokens, dim), dtype=torch.float32,
+                                                                          device=device)) if chained else (lse,) * 3
+        block_t, block_d = _tile(dim, 8192)
+        with _on(device):
+            for first, ptrs, count in _launches(xs) if tokens > 0 else ():
+                attnres_fwd_kernel[(triton.cdiv(tokens, block_t),)](
+                    *ptrs, u, p, r, *state, h, lse, tokens, dim, n_src, first, eps,
+                    N_CHUNK=count, FIRST=first == 0, LAST=first + count == n_src,
+                    BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_num_warps(block_t, block_d),
+                )
+        alpha = torch.exp(p * r - lse[:, None]).view(*shape[:-1], n_src)
         ctx.set_materialize_grads(False)
-        # The caller's sources (not contiguous copies) and, in fp32 where the backward reads it, the output h:
-        # nothing extra stays alive.
-        ctx.save_for_backward(query, key_norm_weight, h if h.dtype == torch.float32 else None, lse, alpha, *sources)
+        # The caller's sources (not contiguous copies) and [M, N] statistics: nothing the size of a source extra.
+        ctx.save_for_backward(query, key_norm_weight, p, r, alpha, *sources)
         return h, alpha
 
     @staticmethod
     def backward(ctx, grad_h, grad_alpha):  # noqa: D102
-        query, key_norm_weight, h, lse, alpha, *sources = ctx.saved_tensors
-        n_src = len(sources)
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "attention_residual: the Triton backward is first-order only; for second-order gradients "
                 "(create_graph=True) use backend='torch' or backend='reference'"
             )
+        query, key_norm_weight, p, r, alpha, *sources = ctx.saved_tensors
+        n_src = len(sources)
         need_du = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_dx = any(ctx.needs_input_grad[3:])
         if (grad_h is None and grad_alpha is None) or not (need_du or need_dx):
             return (None, None, None, *([None] * n_src))
-        batch, seq, dim = sources[0].shape
-        num_tokens = batch * seq
-        dtype, device = sources[0].dtype, sources[0].device
-        g32, w32 = key_norm_weight.float(), query.float()
-        u = (w32 * g32).contiguous()
-        dh = grad_h.contiguous() if grad_h is not None else torch.zeros((batch, seq, dim), dtype=dtype, device=device)
-        delta_from_h = h is not None  # fp32: delta = dh . h; half types: a first pass over the sources
-        h = h if delta_from_h else dh  # a placeholder of the right dtype, never read
-        has_da = grad_alpha is not None
-        if has_da:
-            da = grad_alpha.float().reshape(num_tokens, n_src).contiguous()
-            ca = (alpha.reshape(num_tokens, n_src) * da).sum(dim=1)
-        else:
-            da = ca = lse  # never read
-        dxs = [torch.empty((batch, seq, dim), dtype=dtype, device=device) for _ in range(n_src)] if need_dx else []
-        block_t, block_d = _tile(dim, INTERPRET_TILE_ELEMENTS if _INTERPRET else 4096)
-        num_tiles = triton.cdiv(num_tokens, block_t)
-        programs = _num_programs(num_tiles, device) if num_tokens > 0 else 1
+        xs = [x.detach().contiguous() for x in sources]
+        shape, dtype, device = xs[0].shape, xs[0].dtype, xs[0].device
+        dim = shape[-1]
+        tokens = xs[0].numel() // dim
+        alpha = alpha.reshape(tokens, n_src)
+        block_t, block_d = _tile(dim, 4096)
+        num_tiles = triton.cdiv(tokens, block_t)
+        warps = _num_warps(block_t, block_d)
+        d_alpha = torch.zeros((tokens, n_src), dtype=torch.float32, device=device)
+        dh = torch.zeros(shape, dtype=dtype, device=device) if grad_h is None else grad_h.to(dtype).contiguous()
+        with _on(device):
+            for first, ptrs, count in _launches(xs) if tokens > 0 and grad_h is not None else ():
+                attnres_dots_kernel[(num_tiles,)](*ptrs, dh, d_alpha, tokens, dim, n_src, first, N_CHUNK=count,
+                                                  BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+        if grad_alpha is not None:
+            d_alpha += grad_alpha.reshape(tokens, n_src).float()
+        b = alpha * (d_alpha - (alpha * d_alpha).sum(dim=1, keepdim=True)) * r
+        e = b * p * r.square() / -dim
+        dxs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_src)] if need_dx else xs
+        sms = 0 if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
+        cap = INTERPRET_MAX_PROGRAMS if _INTERPRET else 4 * sms
+        programs = max(1, min(num_tiles, cap))
         du_partial = torch.zeros((programs, dim), dtype=torch.float32, device=device)
-        if num_tokens > 0:
-            xs = [x.detach().contiguous() for x in sources]  # kept alive until the kernel has run
-            x_ptrs = _pointer_array(xs, device)
-            dx_ptrs = _pointer_array(dxs, device) if need_dx else x_ptrs
-            attnres_bwd_kernel[(programs,)](
-                x_ptrs, dx_ptrs, u, h, dh, lse, da, ca, du_partial, num_tokens, dim, n_src, ctx.eps, num_tiles,
-                BLOCK_T=block_t, BLOCK_D=block_d, HAS_DX=need_dx, HAS_DU=need_du, HAS_DA=has_da,
-                DELTA_FROM_H=delta_from_h, num_warps=_num_warps(block_t, block_d),
-            )
+        u = (query.float() * key_norm_weight.float()).contiguous()
+        with _on(device):
+            for (first, ptrs, count), (_, grads, _) in zip(_launches(xs), _launches(dxs)) if tokens > 0 else ():
+                attnres_grads_kernel[(programs,)](
+                    *ptrs, *grads, u, dh, alpha, b, e, du_partial, tokens, dim, n_src, first, num_tiles,
+                    N_CHUNK=count, HAS_DX=need_dx, HAS_DU=need_du, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
+                )
         du = du_partial.sum(dim=0)
-        d_q = (du * g32).to(query.dtype) if ctx.needs_input_grad[0] else None
-        d_g = (du * w32).to(key_norm_weight.dtype) if ctx.needs_input_grad[1] else None
+        d_q = (du * key_norm_weight.float()).to(query.dtype) if ctx.needs_input_grad[0] else None
+        d_g = (du * query.float()).to(key_norm_weight.dtype) if ctx.needs_input_grad[1] else None
         d_src = [dxs[i] if need_dx and ctx.needs_input_grad[3 + i] else None for i in range(n_src)]
         return (d_q, d_g, None, *d_src)
 
@@ -327,11 +334,13 @@ def triton_attention_residual(
     """Fused Attention Residuals, differentiable (first order) in query, key_norm_weight and every source.
 
     Args:
-        query: [D] (fp32, fp16 or bf16). sources: N tensors [B, T, D] of one dtype (fp32, fp16 or bf16)
-            and device (CUDA, or CPU under ``TRITON_INTERPRET=1``); non-contiguous ones are copied.
+        query: [D] (fp32, fp16 or bf16). sources: N tensors [B, T, D] of one dtype (fp32, fp16 or bf16),
+            shape and device (CUDA, or CPU under ``TRITON_INTERPRET=1``); non-contiguous ones are copied.
         key_norm_weight: [D]. eps: RMSNorm epsilon.
     Returns:
         ``(h, alpha)``: h [B, T, D] in the sources' dtype (fp32 accumulation), alpha [B, T, N] fp32.
+    Raises:
+        ValueError: for inputs the kernels cannot compute (mixed dtypes, float64, D > ``MAX_DIM``, non-CUDA).
     """
     sources = list(sources)
     _check(query, sources, key_norm_weight)
