@@ -1,8 +1,8 @@
 """mHC model family (manifold-constrained Hyper-Connections, DeepSeek-V4): configuration, modeling and the ops."""
 
 from .configuration_mhc import MHCConfig
-from .hyper_connection import hyper_connection, hyper_head
-from .hyper_mix import hyper_mix
+from .mhc_connection import hyper_connection, hyper_head
+from .mhc_mix import hyper_mix
 from .modeling_mhc import (
     MHCDecoderLayer,
     MHCForCausalLM,

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the mHC ops (``hyper_connection.py``: the weights and the collapse; ``hyper_mix.py``: the
+"""Fused Triton kernels for the mHC ops (``mhc_connection.py``: the weights and the collapse; ``mhc_mix.py``: the
 mixing step), forward and backward, fp32 arithmetic whatever the streams' dtype.
 
 Notation: N = B T tokens, n streams (``NS``; ``NP`` = n padded to a power of two), D the width, K = n D, R the

@@ -38,8 +38,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_mhc import MHCConfig
-from .hyper_connection import hyper_connection, hyper_connection_weights_reference, hyper_head, resolve_backend
-from .hyper_mix import hyper_mix
+from .mhc_connection import hyper_connection, hyper_connection_weights_reference, hyper_head, resolve_backend
+from .mhc_mix import hyper_mix
 
 
 # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.check_token_inputs

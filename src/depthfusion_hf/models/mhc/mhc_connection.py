@@ -14,7 +14,7 @@ For streams ``X`` [n, D] of one token and parameters ``fn`` [(2 + n) n, n D], ``
 
 The head (``DeepseekV4HyperHead``) is the ``pre`` part alone: ``fn`` [n, n D], ``base`` [n], ``scale`` [1],
 ``collapsed = sum_j pre_j X_j`` with ``pre = sigmoid(scale[0] (fn . x) + base) + eps``. The mixing step that
-follows the sub-layer, ``post ⊗ f + comb^T X``, is the op of ``hyper_mix.py``.
+follows the sub-layer, ``post ⊗ f + comb^T X``, is the op of ``mhc_mix.py``.
 
 Two entry points, :func:`hyper_connection` and :func:`hyper_head`, each with three implementations:
 

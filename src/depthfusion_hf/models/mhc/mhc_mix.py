@@ -2,7 +2,7 @@
 residual streams and added to the mixed streams.
 
 For one token, streams ``X`` [n, D], the sub-layer's output ``f`` [D] and the weights of
-:func:`~.hyper_connection.hyper_connection` (``post`` [n], ``comb`` [n, n]):
+:func:`~.mhc_connection.hyper_connection` (``post`` [n], ``comb`` [n, n]):
 
     X'_k = post_k f + sum_j comb_jk X_j          (X' = post ⊗ f + comb^T X)
 
@@ -23,7 +23,7 @@ backend            implementation
                    Routed to ``"torch"``: float64 work, more than ``TRITON_MAX_STREAMS`` streams, empty inputs.
 =================  ==========================================================================================
 
-The backend is resolved as for :func:`~.hyper_connection.hyper_connection` (one ``resolve_backend``, in that file).
+The backend is resolved as for :func:`~.mhc_connection.hyper_connection` (one ``resolve_backend``, in that file).
 
 Dtypes, decided here for every backend: the result has the promoted dtype of the streams and the output (the
 weights do not take part: they are fp32 by design), is accumulated in float32 (float64 when an input is float64)
@@ -36,7 +36,7 @@ model code by ``save_pretrained`` for ``trust_remote_code`` loading.
 
 import torch
 
-from .hyper_connection import autocast_off, check_streams, check_tensor, resolve_backend, weight_dtype
+from .mhc_connection import autocast_off, check_streams, check_tensor, resolve_backend, weight_dtype
 
 try:  # Triton is optional: the model loads and runs without it.
     from .mhc_triton import MHC_TRITON_DTYPES, TRITON_MAX_STREAMS, triton_hyper_mix
@@ -130,7 +130,7 @@ def hyper_mix(
     Args:
         streams: [B, T, n, D], the streams the sub-layer's input was collapsed from (any strides).
         output: [B, T, D], the sub-layer's output f.
-        post: [B, T, n] and comb: [B, T, n, n], from :func:`~.hyper_connection.hyper_connection`.
+        post: [B, T, n] and comb: [B, T, n, n], from :func:`~.mhc_connection.hyper_connection`.
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (see ``resolve_backend``).
     Returns:
         [B, T, n, D] in the promoted dtype of ``streams`` and ``output``.
