@@ -32,7 +32,7 @@ from depthfusion_hf.hub import (
     push_folder_to_hub,
     validate_repo_id,
 )
-from depthfusion_hf.safe_folder import ExportTargetError
+from depthfusion_hf.safe_folder import MARKER, ExportTargetError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", help="where to write the export folder (default: exports/<repo name>)")
     p.add_argument("--overwrite", action="store_true",
                    help="write into an output folder that holds files this package did not write (they are kept; "
-                        "a file with the name of an export file still refuses)")
+                        "a file with the name of an export file still refuses), replacing files an earlier export "
+                        "wrote that were edited since (a warning names them)")
     p.add_argument("--tokenizer", help="tokenizer folder / id (default: the model folder's own, if any)")
     p.add_argument("--results", default="auto",
                    help="results for the card's model-index: a train_clm results.json or a JSON list of metric "
@@ -76,25 +77,25 @@ def main(argv: list[str] | None = None) -> dict:
     token = args.token or os.environ.get("HF_TOKEN")
     if token and not args.dry_run and not args.repo_id:
         raise SystemExit("uploading needs --repo-id user/name (or --dry-run to only write the folder)")
-    try:
+    try:  # a missing or broken model folder, config, tokenizer or results file: its own message, no traceback
         model = load_export_model(args.model, args.config)
-    except ValueError as error:
-        raise SystemExit(str(error)) from error
-    tokenizer = load_export_tokenizer(args.tokenizer, args.model)
-    results = None
-    if not args.random_init and args.results != "none":
-        source = None if args.results == "auto" else args.results
-        results = load_card_results(source, model.config.model_type, model_folder=args.model)
-        if results is not None and source is None:
-            print(f"results: using {Path(args.model).resolve().parent.parent / 'results.json'}")
+        tokenizer = load_export_tokenizer(args.tokenizer, args.model)
+        results = None
+        if not args.random_init and args.results != "none":
+            source = None if args.results == "auto" else args.results
+            results = load_card_results(source, model.config.model_type, model_folder=args.model)
+            if results is not None and source is None:
+                print(f"results: using {Path(args.model).resolve().parent.parent / 'results.json'}")
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from error
     name = args.repo_id.split("/")[-1] if args.repo_id else f"{model.config.model_type}-export"
     folder = Path(args.output_dir) if args.output_dir else Path("exports") / name
     try:
         folder = export_model(model, folder, tokenizer=tokenizer, repo_id=args.repo_id, results=results,
                               dataset=args.dataset, trained=not args.random_init, overwrite=args.overwrite)
-    except ExportTargetError as error:
+    except ExportTargetError as error:  # MarkerError included: an untrusted marker in the output folder
         raise SystemExit(f"error: {error}") from error
-    print(f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
+    print(f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir() if p.name != MARKER))}")
     if tokenizer is None:
         print("warning: no tokenizer in the export (give --tokenizer); pipelines need one", file=sys.stderr)
     summary = {"folder": str(folder), "uploaded": False, "url": None, "results": bool(results)}
@@ -104,8 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
     if not token:
         print("no token (--token or $HF_TOKEN): nothing uploaded")
         return summary
-    url = push_folder_to_hub(folder, args.repo_id, token=token, private=args.private,
-                             commit_message=args.commit_message)
+    try:
+        url = push_folder_to_hub(folder, args.repo_id, token=token, private=args.private,
+                                 commit_message=args.commit_message)
+    except (ExportTargetError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from error
     print(f"uploaded to https://huggingface.co/{args.repo_id} ({url})")
     summary.update(uploaded=True, url=url)
     return summary

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -17,22 +16,32 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
+from .data.textfile import read_json_file
+from .export_marker import MARKER, load_marker
 from .families import FAMILIES, get_family
 from .model_card import build_model_card, clm_results
 from .remote_code import check_export_folder, save_remote_code_folder
-from .safe_folder import MARKER
 
 _REPO_ID = re.compile(r"[\w.\-]+/[\w.\-]+")
+MARKER_PATTERNS = [MARKER, f"*/{MARKER}"]  # the marker at the top and in any sub-folder (`*` crosses '/')
 
 
 def validate_repo_id(repo_id: str | None) -> str:
-    """Return ``repo_id`` when it has the Hub's ``"user/name"`` form.
+    """Return ``repo_id`` when it has the Hub's ``"user/name"`` form and passes the Hub's own name rules.
 
     Raises:
-        ValueError: naming the id when it does not.
+        ValueError: naming the id when it does not (e.g. ``"me/.."``, ``"me/a--b"``: the last part also names the
+            default export folder).
     """
     if not isinstance(repo_id, str) or not _REPO_ID.fullmatch(repo_id):
         raise ValueError(f"repo_id must look like 'user/name' (letters, digits, '_', '-', '.'); got {repo_id!r}")
+    from huggingface_hub.utils import HFValidationError
+    from huggingface_hub.utils import validate_repo_id as hub_rules
+
+    try:
+        hub_rules(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"repo_id {repo_id!r} is not a valid Hub id: {error}") from error
     return repo_id
 
 
@@ -77,6 +86,30 @@ def export_model(
                                    overwrite=overwrite)
 
 
+def upload_problems(folder: Path) -> list[str]:
+    """Why ``folder`` may not be uploaded as it is: a symlink that leads out of it (its target's content would be
+    uploaded under the link's name), a pipe, socket or device; an untrusted marker raises.
+
+    Raises:
+        MarkerError: the folder's marker claims to be this package's but lists a path outside the folder.
+    """
+    load_marker(folder)  # the same trust rules as an export: a marker that lists outside paths is refused
+    root = folder.resolve()
+    problems = []
+    for current, dirs, names in os.walk(folder):
+        for name in sorted(names + dirs):
+            path = Path(current) / name
+            relative = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                target = path.resolve()
+                if target != root and root not in target.parents:
+                    problems.append(f"{relative} is a symlink to {os.readlink(path)}, outside the folder (its content "
+                                    "would be uploaded); replace it with the file itself")
+            elif not (path.is_file() or path.is_dir()):
+                problems.append(f"{relative} is not a regular file (a pipe, socket or device)")
+    return problems
+
+
 def push_folder_to_hub(
     folder: str | os.PathLike,
     repo_id: str,
@@ -87,7 +120,10 @@ def push_folder_to_hub(
 ) -> str:
     """Create the model repo ``repo_id`` (if needed) and upload ``folder`` to it in one commit.
 
-    The export marker (``.depthfusion-export.json``, local bookkeeping) is not uploaded.
+    The export marker (``.depthfusion-export.json``, local bookkeeping, at any depth) is never uploaded. The
+    folder is checked before any Hub call: it must pass :func:`check_export_folder`, its marker (if any) must be
+    trustworthy (the rules of :mod:`depthfusion_hf.export_marker`), and it may hold no symlink leading out of it
+    and no pipe, socket or device (:func:`upload_problems`).
 
     Args:
         folder: an export folder; it must pass :func:`check_export_folder`.
@@ -99,20 +135,24 @@ def push_folder_to_hub(
     Returns:
         The commit URL (or the ``CommitInfo``'s string form).
     Raises:
-        ValueError: if the folder is incomplete or ``repo_id`` is not ``"user/name"``.
+        ValueError: if ``folder`` is not a folder, is incomplete or holds what may not be uploaded, or ``repo_id``
+            is not ``"user/name"``.
+        MarkerError: an untrusted marker.
     """
     folder = Path(folder)
     validate_repo_id(repo_id)
-    problems = check_export_folder(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder" + ("" if folder.exists() else " (it does not exist)"))
+    problems = check_export_folder(folder) + upload_problems(folder)
     if problems:
-        raise ValueError(f"{folder} is not a complete export: " + "; ".join(problems))
+        raise ValueError(f"{folder} is not a complete export that can be uploaded: " + "; ".join(problems))
     if api is None:
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
     api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
     info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message,
-                             token=token, repo_type="model", ignore_patterns=[MARKER])
+                             token=token, repo_type="model", ignore_patterns=MARKER_PATTERNS)
     return str(getattr(info, "commit_url", info))
 
 
@@ -122,14 +162,18 @@ def load_export_model(model_folder: str | os.PathLike | None = None,
     names its ``model_type`` (``configs/*.json``; keys starting with ``_`` are comments).
 
     Raises:
-        ValueError: if not exactly one source is given, or the model type is not a registered family.
+        ValueError: if not exactly one source is given, the config file is not a JSON object (naming the file, and
+            the line of a JSON error), or the model type is not a registered family.
+        FileNotFoundError / IsADirectoryError: the config path is missing or a folder.
     """
     if (model_folder is None) == (config_path is None):
         raise ValueError("give either a model folder or a config file")
     if model_folder is not None:
         config = AutoConfig.from_pretrained(model_folder)
     else:
-        fields = json.loads(Path(config_path).read_text())
+        fields = read_json_file(config_path)
+        if not isinstance(fields, dict):
+            raise ValueError(f"{config_path}: a model config must be a JSON object; got {type(fields).__name__}")
         fields = {k: v for k, v in fields.items() if not k.startswith("_") and k != "architectures"}
         model_type = fields.pop("model_type", None)
         if model_type not in FAMILIES:
@@ -159,7 +203,8 @@ def load_card_results(results: str | os.PathLike | None, model_type: str,
         model_type: the family whose run to take from a ``results.json``.
         model_folder: the exported model's folder (for the lookup above).
     Raises:
-        ValueError: if the file is neither form.
+        ValueError: if the file is not JSON (naming the line) or neither form.
+        FileNotFoundError / IsADirectoryError: the file is missing or a folder.
     """
     path = Path(results) if results is not None else None
     if path is None:
@@ -168,7 +213,7 @@ def load_card_results(results: str | os.PathLike | None, model_type: str,
         path = Path(model_folder).resolve().parent.parent / "results.json"
         if not path.is_file():
             return None
-    data = json.loads(path.read_text())
+    data = read_json_file(path)
     if isinstance(data, dict) and "runs" in data:
         return clm_results(data, model_type)
     if isinstance(data, list):
@@ -177,10 +222,12 @@ def load_card_results(results: str | os.PathLike | None, model_type: str,
 
 
 __all__ = [
+    "MARKER_PATTERNS",
     "export_model",
     "load_card_results",
     "load_export_model",
     "load_export_tokenizer",
     "push_folder_to_hub",
+    "upload_problems",
     "validate_repo_id",
 ]

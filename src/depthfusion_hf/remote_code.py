@@ -26,6 +26,8 @@ from .safe_folder import write_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model")
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.([A-Za-z_][A-Za-z0-9_]*)\s+import\s", re.MULTILINE)
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SHARD = re.compile(r"[^/\\\x00]+\.safetensors")
 
 
 def register_for_remote_code(model: PreTrainedModel) -> None:
@@ -122,31 +124,73 @@ def save_model_folder(
     return write_folder(folder, write, overwrite=overwrite)
 
 
+def _read_json(path: Path) -> tuple[dict | None, str | None]:
+    """The JSON object in ``path``; otherwise ``None`` and the problem, naming the file."""
+    if path.is_symlink() and not path.exists():
+        return None, f"{path.name} is a symlink to nothing ({os.readlink(path)})"
+    if path.is_dir():
+        return None, f"{path.name} is a folder, not a file"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        return None, f"{path.name} is not valid UTF-8 (byte {error.start}); it must be a UTF-8 JSON file"
+    except json.JSONDecodeError as error:
+        return None, f"{path.name} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+    except OSError as error:
+        return None, f"{path.name} cannot be read: {error.strerror or error}"
+    if not isinstance(data, dict):
+        return None, f"{path.name} must hold a JSON object; got {type(data).__name__}"
+    return data, None
+
+
+def _read_code(path: Path) -> tuple[str | None, str | None]:
+    try:
+        return path.read_text(encoding="utf-8"), None
+    except UnicodeDecodeError:
+        return None, f"code file {path.name} is not valid UTF-8"
+    except OSError as error:
+        return None, f"code file {path.name} cannot be read: {error.strerror or error}"
+
+
 def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, model_card: bool = False) -> list[str]:
     """List what a remote-code folder lacks; an empty list means it is complete.
 
-    Checked: ``config.json`` with ``model_type`` and an ``auto_map`` that has ``AutoConfig`` and the family's
-    task auto class (and ``AutoModel`` where the family has a base model); every module named in
+    Checked: ``config.json`` (a JSON object) with ``model_type`` and an ``auto_map`` that has ``AutoConfig`` and
+    the family's task auto class (and ``AutoModel`` where the family has a base model); every module named in
     ``auto_map`` and every file those modules import with single-dot relative imports; safetensors weights
     (a single file or an index whose shards all exist) and no pickle weights; ``generation_config.json``
     for causal LMs; with ``tokenizer=True`` a tokenizer config and vocabulary; with ``model_card=True`` a
-    ``README.md`` whose YAML front matter parses.
+    ``README.md`` whose YAML front matter parses. A file that is not valid UTF-8 JSON, not the JSON kind it
+    must be, a folder or a dangling symlink is a problem naming it (never an exception).
     """
     folder = Path(folder)
     problems: list[str] = []
     config_path = folder / "config.json"
-    if not config_path.is_file():
+    if not os.path.lexists(config_path):
         return [f"{config_path} is missing"]
-    config = json.loads(config_path.read_text())
-    family = FAMILIES.get(config.get("model_type"))
+    config, problem = _read_json(config_path)
+    if problem is not None:
+        return [f"{folder}: {problem}"]
+    family = FAMILIES.get(config.get("model_type")) if isinstance(config.get("model_type"), str) else None
     if family is None:
         return [f"config.json: model_type must be one of {sorted(FAMILIES)}; got {config.get('model_type')!r}"]
     auto_map = config.get("auto_map") or {}
+    if not isinstance(auto_map, dict):
+        return [f"config.json: auto_map must be an object; got {type(auto_map).__name__}"]
     expected = ["AutoConfig", family.task_auto_class.__name__]
     expected += ["AutoModel"] if family.base_model_class is not None else []
     problems += [f"config.json: auto_map has no {name!r} entry" for name in expected if name not in auto_map]
 
-    pending = [str(ref).split("--")[-1].split(".")[0] for ref in auto_map.values()]
+    pending = []
+    for name, refs in auto_map.items():
+        for ref in refs if isinstance(refs, list) else [refs]:  # a tokenizer's entry is [slow, fast]
+            module = str(ref).split("--")[-1].rsplit(".", 1)[0]
+            if ref is None:
+                continue
+            if not _MODULE.fullmatch(module):
+                problems.append(f"config.json: auto_map[{name!r}] = {ref!r} does not name a module file of the folder")
+            else:
+                pending.append(module)
     seen: set[str] = set()
     while pending:
         module = pending.pop()
@@ -157,21 +201,43 @@ def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, mode
         if not path.is_file():
             problems.append(f"code file {path.name} is missing")
             continue
-        pending += _RELATIVE_IMPORT.findall(path.read_text())
+        code, problem = _read_code(path)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        pending += _RELATIVE_IMPORT.findall(code)
 
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        problems += [f"weight shard {name} is missing" for name in sorted(shards) if not (folder / name).is_file()]
+    index_path = folder / "model.safetensors.index.json"
+    if os.path.lexists(index_path):
+        index, problem = _read_json(index_path)
+        weight_map = index.get("weight_map") if index is not None else None
+        if problem is not None:
+            problems.append(problem)
+        elif not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            problems.append("model.safetensors.index.json: 'weight_map' must map tensor names to shard file names")
+        else:
+            for name in sorted(set(weight_map.values())):
+                if not _SHARD.fullmatch(name):
+                    problems.append(f"model.safetensors.index.json names shard {name!r}, which is not a file name of "
+                                    "the folder")
+                elif not (folder / name).is_file():
+                    problems.append(f"weight shard {name} is missing")
     elif not (folder / "model.safetensors").is_file():
         problems.append("model.safetensors is missing")
     pickles = sorted(folder.glob("pytorch_model*.bin"))
     problems += [f"{path.name}: pickle weights; export safetensors only" for path in pickles]
-    if family.is_causal_lm and not (folder / "generation_config.json").is_file():
-        problems.append("generation_config.json is missing (a causal LM)")
+    if family.is_causal_lm:
+        generation = folder / "generation_config.json"
+        if not generation.is_file():
+            problems.append("generation_config.json is missing (a causal LM)")
+        else:
+            problems += [problem for problem in [_read_json(generation)[1]] if problem is not None]
     if tokenizer:
-        if not (folder / "tokenizer_config.json").is_file():
+        tokenizer_config = folder / "tokenizer_config.json"
+        if not tokenizer_config.is_file():
             problems.append("tokenizer_config.json is missing")
+        else:
+            problems += [problem for problem in [_read_json(tokenizer_config)[1]] if problem is not None]
         if not any((folder / name).is_file() for name in TOKENIZER_FILES):
             problems.append(f"no tokenizer vocabulary (one of {TOKENIZER_FILES})")
     if model_card:
@@ -180,7 +246,9 @@ def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, mode
             problems.append("README.md (model card) is missing")
         else:
             try:
-                split_front_matter(readme.read_text())
+                split_front_matter(readme.read_text(encoding="utf-8"))
+            except UnicodeDecodeError:
+                problems.append("README.md is not valid UTF-8")
             except ValueError as error:
                 problems.append(f"README.md: {error}")
     return problems

@@ -113,7 +113,7 @@ def test_token_uploads_the_written_folder(trained, tmp_path):
     assert Path(upload["folder_path"]) == target.resolve()
     assert upload["repo_id"] == "me/denseformer-kjv"
     assert upload["commit_message"] == "DenseFormer 2x2 on KJV"
-    assert upload["ignore_patterns"] == [".depthfusion-export.json"]  # the local marker is not uploaded
+    assert upload["ignore_patterns"] == [".depthfusion-export.json", "*/.depthfusion-export.json"]  # never the marker
 
 
 def test_no_token_writes_only(trained, tmp_path):
