@@ -34,8 +34,8 @@ class DataFormatError(ValueError):
         self.reason = message
 
 
-def check_data_file(path: str | os.PathLike) -> Path:
-    """``path`` when it is a regular file (or a symlink to one).
+def check_data_file(path: str | os.PathLike, what: str = "data file") -> Path:
+    """``path`` when it is a regular file (or a symlink to one); ``what`` names it in the errors.
 
     Raises:
         FileNotFoundError: nothing is there, or a symlink to nothing (the message names it).
@@ -44,11 +44,11 @@ def check_data_file(path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     if path.is_symlink() and not path.exists():
-        raise FileNotFoundError(f"data file {path} is a symlink to nothing ({os.readlink(path)})")
+        raise FileNotFoundError(f"{what} {path} is a symlink to nothing ({os.readlink(path)})")
     if not path.exists():
-        raise FileNotFoundError(f"data file not found: {path}")
+        raise FileNotFoundError(f"{what} not found: {path}")
     if path.is_dir():
-        raise IsADirectoryError(f"data file {path} is a folder, not a file; give the files in it (e.g. {path}/*.txt)")
+        raise IsADirectoryError(f"{what} {path} is a folder, not a file; give the files in it (e.g. {path}/*.txt)")
     if not path.is_file():
         raise DataFormatError(path, None, "is not a regular file (a pipe, socket or device); give a file")
     return path

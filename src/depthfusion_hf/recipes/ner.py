@@ -38,11 +38,13 @@ from transformers import (
 from ..data import (
     TrainingSize,
     build_label_list,
+    check_data_file,
     count_entities,
     load_hub_ner,
     load_wnut16,
     parse_size,
     read_conll,
+    read_json_file,
     sample_kshot,
     sample_sentences,
     tokenize_and_align,
@@ -50,6 +52,7 @@ from ..data import (
 )
 from ..models.dwatt import FUSION_METHODS, DWAttForTokenClassification
 from ..plotting import plot_f1_vs_size
+from .ner_checks import check_settings
 
 Sentence = dict[str, list[str]]
 
@@ -108,6 +111,7 @@ class NerSettings:
             raise ValueError(f"fusions must be among {FUSION_METHODS}; got {unknown}")
         if bool(self.train_file) != bool(self.test_file):
             raise ValueError("train_file and test_file go together")
+        check_settings(self)
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides) -> NerSettings:
@@ -125,9 +129,14 @@ def read_config(path: str | Path) -> dict:
     comments and dropped. A relative ``selected_settings`` path is relative to the config file's folder.
 
     Raises:
-        ValueError: naming the file and its unknown keys.
+        ValueError: naming the file and its unknown keys; a file that is missing, a folder, not UTF-8 or not JSON
+            (with the line and column).
     """
-    values = json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        check_data_file(path, what="config file")
+    except OSError as error:
+        raise ValueError(str(error)) from error
+    values = read_json_file(path)
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a JSON object of option values")
     known = {f.name for f in dataclasses.fields(NerSettings)} - {"config"}
@@ -149,7 +158,9 @@ def load_selected(settings: NerSettings) -> dict:
     """
     if not settings.selected_settings:
         return {}
-    selected = json.loads(Path(settings.selected_settings).read_text(encoding="utf-8"))
+    selected = read_json_file(settings.selected_settings)
+    if not isinstance(selected, dict) or not all(isinstance(cells, dict) for cells in selected.values()):
+        raise ValueError(f"{settings.selected_settings}: expected a JSON object {{size label: {{fusion: point}}}}")
     missing = [(size.label, fusion) for size in settings.sizes for fusion in settings.fusions
                if fusion not in selected.get(size.label, {})]
     if missing:
@@ -440,6 +451,7 @@ __all__ = [
     "NerSettings",
     "build_optimizer",
     "cell_settings",
+    "check_settings",
     "default_encoder",
     "encode",
     "encoder_name",
