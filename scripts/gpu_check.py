@@ -61,7 +61,7 @@ def _status(rc: int | None, data: dict) -> str:
     return "passed"
 
 
-def run_step(name: str, limit: float, work: Path, log) -> dict:
+def run_step(name: str, limit: float, work: Path, out: Path, log) -> dict:
     """Run one step in its own process group; kill the group at ``limit`` seconds. Returns its record."""
     result_file = work / f"{name}.json"
     cmd = [sys.executable, str(REPO / "scripts" / "gpu_steps" / f"{name}.py"), "--result", str(result_file),
@@ -70,7 +70,7 @@ def run_step(name: str, limit: float, work: Path, log) -> dict:
     log.write(f"\n===== step {name} (limit {limit:.0f} s) =====\n")
     log.flush()
     # the kernels the aot step compiled for sm_90 are in its cache: the later steps' launches find them there
-    env = dict(os.environ, TRITON_CACHE_DIR=str(work / "aot-triton-cache"))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(work / "aot-triton-cache"), GPU_CHECK_OUT=str(out))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         rc = proc.wait(timeout=limit)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             report["steps"][name] = {"status": "running"}
             _write(path, report)
-            record = run_step(name, min(limit, left), work, log)
+            record = run_step(name, min(limit, left), work, args.out, log)
             report["steps"][name] = record
             if name == "env":  # unknown (None) when the step died before looking: the other steps then run
                 cuda = record.get("notes", {}).get("cuda")

@@ -9,6 +9,7 @@ work folder, where the later steps find the sm_90 kernels already compiled.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def run(result: Result, args) -> None:
     out = Path(args.work) / "aot.jsonl"
     run_ = aot.run_harness("ci", out, jobs=jobs, timeout=3600)
     result.note("timing", run_.timing)
+    if os.environ.get("GPU_CHECK_OUT"):  # the launches and compile results come back with the run
+        shutil.copy(out, Path(os.environ["GPU_CHECK_OUT"]) / "aot_device.jsonl")
     for case in sorted(aot.CI_CASES):
         for capability in sorted(aot.TARGETS):
             failures = run_.failures(case, capability)
