@@ -358,13 +358,24 @@ def record_launches(case: str, into: list[Launch]) -> Iterator[None]:
                            attrs, options, grid))
         return True  # skip the compile: _do_compile returns None and the launch with it
 
+    from triton.runtime.autotuner import Autotuner
+
+    original_autotune = Autotuner.run
+
+    def autotune(self, *args, **kwargs):
+        """An autotuned kernel: every config is a specialisation a GPU may pick (none can be timed here)."""
+        for config in self.configs:
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+
     previous_hook, previous_driver = triton.knobs.runtime.jit_cache_hook, driver._active
     driver.set_active(_FakeTritonDriver())
     triton.knobs.runtime.jit_cache_hook = hook
     JITFunction.run = run
+    Autotuner.run = autotune
     try:
         yield
     finally:
+        Autotuner.run = original_autotune
         JITFunction.run = original_run
         triton.knobs.runtime.jit_cache_hook = previous_hook
         driver._active = previous_driver
@@ -376,10 +387,15 @@ def record_launches(case: str, into: list[Launch]) -> Iterator[None]:
 
 
 def _resolve_kernel(name: str):
+    """The ``JITFunction`` named ``module:qualname`` (unwrapping ``triton.autotune`` / ``triton.heuristics``)."""
+    from triton.runtime.jit import JITFunction
+
     module, qualname = name.split(":")
     obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
+    while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):
+        obj = obj.fn
     return obj
 
 
