@@ -549,6 +549,30 @@ def _moda_op(mode: str, head_dim: int, groups: int, seq: int, depth: int, *, pas
     return run
 
 
+def _mhc_op(mode: str, shape: tuple[int, int, int, int], which: str) -> Callable[[], None]:
+    """mHC's ops on streams [B, T, n, D]: ``connection`` (weights + collapse), ``head`` or ``mix``; parameters fp32
+    (a model's under autocast), the streams in ``mode``'s dtype."""
+    def run():
+        from depthfusion_hf.models.mhc import hyper_connection, hyper_head, hyper_mix
+
+        with _precision(mode) as dtype:
+            batch, seq, n, dim = shape
+            streams = _empty(batch, seq, n, dim, dtype=dtype)
+            if which == "mix":
+                post, comb = _empty(batch, seq, n, dtype=torch.float32), _empty(batch, seq, n, n, dtype=torch.float32)
+                out = hyper_mix(streams, _empty(batch, seq, dim, dtype=dtype), post, comb, backend="triton")
+            elif which == "head":
+                out = hyper_head(streams, _empty(n, n * dim, dtype=torch.float32), _empty(n, dtype=torch.float32),
+                                 _empty(1, dtype=torch.float32), eps=1e-6, norm_eps=1e-6, backend="triton")
+            else:
+                rows = (2 + n) * n
+                out = hyper_connection(streams, _empty(rows, n * dim, dtype=torch.float32),
+                                       _empty(rows, dtype=torch.float32), _empty(3, dtype=torch.float32),
+                                       sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6, backend="triton")
+        backward(out)
+    return run
+
+
 # Model shapes: realistic head dims and GQA at a width that runs fast on the CPU (the kernels never run).
 _DECODER = dict(vocab_size=512, intermediate_size=1024, num_hidden_layers=4, max_position_embeddings=4096,
                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -568,6 +592,11 @@ def _model(family: str, head_dim: int, mode: str):
         config = dfh.AttnResConfig(**kwargs, attnres_block_size=2)
     elif family == "attnres-full":
         config = dfh.AttnResConfig(**kwargs)
+    elif family == "mhc":  # not in the family registry yet: its classes directly
+        from depthfusion_hf.models.mhc import MHCConfig, MHCForCausalLM
+
+        dtype = torch.float32 if mode.startswith("autocast-") else DTYPES[mode]
+        return "mhc", MHCForCausalLM(MHCConfig(**kwargs)).to("cuda", dtype)
     else:
         raise ValueError(f"unknown family {family!r}")
     dtype = torch.float32 if mode.startswith("autocast-") else DTYPES[mode]
@@ -619,6 +648,10 @@ CI_CASES = frozenset({
     "attnres-block/model/bf16/d128/train", "attnres-block/model/bf16/d128/generate",
     "attnres-block/model/autocast-bf16/d128/train", "attnres-full/model/bf16/d128/train",
     "attnres-full/model/autocast-bf16/d128/train",
+    "mhc/op/fp32/D1024/connection", "mhc/op/bf16/D1024/connection", "mhc/op/fp16/D1024/connection",
+    "mhc/op/bf16/D4096/connection", "mhc/op/bf16/D1024/head", "mhc/op/bf16/D1024/mix", "mhc/op/fp32/D1024/mix",
+    "mhc/op/bf16/decode/connection", "mhc/model/bf16/d128/train", "mhc/model/autocast-bf16/d128/train",
+    "mhc/model/bf16/d128/generate",
 })
 
 
@@ -644,7 +677,12 @@ def _build_cases() -> dict[str, Case]:
             add(f"moda/op/autocast-{dt}/d{head_dim}/G2/train", _moda_op(f"autocast-{dt}", head_dim, 2, 2048, 8))
             add(f"moda/op/autocast-{dt}/d{head_dim}/G2/mixed-rope",
                 _moda_op(f"autocast-{dt}", head_dim, 2, 2048, 8, mixed=True))
-    for family in ("denseformer", "moda", "attnres-block", "attnres-full"):
+    for dt in ("fp32", "bf16", "fp16"):
+        for dim in (1024, 4096):
+            for which in ("connection", "head", "mix"):
+                add(f"mhc/op/{dt}/D{dim}/{which}", _mhc_op(dt, (2, 2048, 4, dim), which))
+        add(f"mhc/op/{dt}/decode/connection", _mhc_op(dt, (4, 1, 4, 2048), "connection"))
+    for family in ("denseformer", "moda", "attnres-block", "attnres-full", "mhc"):
         for head_dim in (64, 128):
             for mode in ("fp32", "bf16", "autocast-bf16", "autocast-fp16"):
                 add(f"{family}/model/{mode}/d{head_dim}/train", _model_train(family, head_dim, mode))

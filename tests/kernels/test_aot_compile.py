@@ -37,7 +37,7 @@ def test_every_ci_case_launches_a_kernel(harness_run):
               and not any(launch.case == case for launch in harness_run.launches)]
     assert not silent, f"cases that launched no kernel: {silent}"
     families = {launch.kernel.split(":")[0].split(".")[-1] for launch in harness_run.launches}
-    assert {"dwa_triton", "attnres_triton", "moda_triton"} <= families, families
+    assert {"dwa_triton", "attnres_triton", "moda_triton", "mhc_triton"} <= families, families
 
 
 @pytest.mark.integration
