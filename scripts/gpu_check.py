@@ -1,19 +1,19 @@
 """Run the GPU check's steps, most important first, each in its own process under a time limit, and keep one JSON
 result (``$OUT/gpu_check.json``) current after every step, so a run killed from outside still reports.
 
-    python scripts/gpu_check.py --out OUT [--budget 540] [--steps env,aot,...]   # normally via scripts/gpu_check.sh
+    python scripts/gpu_check.py --out OUT [--budget 420] [--steps env,aot,...]   # normally via scripts/gpu_check.sh
 
 Steps (``scripts/gpu_steps/<name>.py``; the limit of each is shrunk to what is left of ``--budget``):
 
 ====== ======= ============================================================================================
 name   limit   what
 ====== ======= ============================================================================================
-env     45 s   versions, GPU, ``import depthfusion_hf``, the installed versions against pyproject's lower bounds
-aot    120 s   the AOT compile test's harness (tests/kernels/aot.py, CI cases) under this machine's Triton
-ops    120 s   every op's Triton path against its PyTorch path at realistic shapes, values and gradients
-models  90 s   a bf16-autocast training step of every family against the fp32 PyTorch backend
-decode 100 s   compiled static-cache greedy decoding (reduce-overhead) equals eager; tokens/s
-speed   70 s   speed and peak memory of each op against SDPA (and flash-attn when installed)
+env     30 s   versions, GPU, ``import depthfusion_hf``, the installed versions against pyproject's lower bounds
+aot    100 s   the AOT compile test's harness (tests/kernels/aot.py, CI cases) under this machine's Triton
+ops    100 s   every op's Triton path against its PyTorch path at realistic shapes, values and gradients
+models  70 s   a bf16-autocast training step of every family against the fp32 PyTorch backend
+decode  70 s   compiled static-cache greedy decoding (reduce-overhead) equals eager; tokens/s
+speed   50 s   speed and peak memory of each op against SDPA (and flash-attn when installed)
 ====== ======= ============================================================================================
 
 Without a CUDA device, ``env`` runs and every other step is recorded as skipped ("no CUDA device"); the exit
@@ -35,12 +35,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = [  # (name, limit in seconds, needs CUDA)
-    ("env", 45, False),
-    ("aot", 120, True),
-    ("ops", 120, True),
-    ("models", 90, True),
-    ("decode", 100, True),
-    ("speed", 70, True),
+    ("env", 30, False),
+    ("aot", 100, True),
+    ("ops", 100, True),
+    ("models", 70, True),
+    ("decode", 70, True),
+    ("speed", 50, True),
 ]
 NO_CUDA = "no CUDA device"
 
@@ -86,7 +86,7 @@ def run_step(name: str, limit: float, work: Path, out: Path, log) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--budget", type=float, default=540, help="seconds for all steps together")
+    parser.add_argument("--budget", type=float, default=420, help="seconds for all steps together")
     parser.add_argument("--steps", default=",".join(name for name, _, _ in STEPS))
     parser.add_argument("--setup", default="{}", help="JSON from gpu_check.sh's set-up (wheels installed, site)")
     args = parser.parse_args(argv)
