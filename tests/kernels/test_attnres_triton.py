@@ -187,3 +187,83 @@ def test_fuzz_against_float64_truth(case):
     """Shapes, strides, dtypes, parameter dtypes and softmax sharpness through the fused kernels."""
     run_and_check(case["shape"], case["dtype"], "triton", DEVICE, seed=case["seed"], query_scale=case["query_scale"],
                   non_contiguous=case["layout"], param_dtype=case["param_dtype"])
+
+
+# ---------------------------------------------------------------- issue 20: what the interpreter hid
+
+
+def record_launches(monkeypatch) -> list[tuple[str, tuple]]:
+    """``(kernel name, positional arguments)`` of every launch of the AttnRes kernels from now on."""
+    launches = []
+    for kernel in (getattr(attnres_triton, name) for name in dir(attnres_triton) if name.endswith("_kernel")):
+        def run(*args, _kernel=kernel, _run=kernel.run, **kwargs):
+            launches.append((_kernel.fn.__name__, args))
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", run)
+    return launches
+
+
+def test_launches_take_the_sources_as_pointer_arguments(monkeypatch):
+    """The kernels read the sources through pointer arguments, at most ``SOURCES_PER_LAUNCH`` per launch with
+    launches chained, not through a table of ``data_ptr()``s built on the host every call (a pageable copy a CUDA
+    graph cannot capture, which breaks dynamo and makes scalar loads): no launch gets an integer tensor, and 25
+    sources take ceil(25 / 8) = 4 chained launches of each kernel (values: ``test_matches_float64_truth``)."""
+    launches = record_launches(monkeypatch)
+    query, sources, weight = make_inputs((1, 3, 8, 25), torch.float32, DEVICE)
+    h = attention_residual(query, sources, weight, backend="triton")
+    torch.autograd.grad(h.sum(), [query, *sources])
+    for name, args in launches:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        assert tensors and all(t.is_floating_point() for t in tensors), f"{name} got a non-floating tensor"
+    names = [name for name, _ in launches]
+    assert names.count("attnres_fwd_kernel") == names.count("attnres_dots_kernel") == 4
+    assert names.count("attnres_grads_kernel") == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_mixed_source_dtypes(dtype):
+    """Under autocast a model's sources are an fp32 embedding followed by half-precision outputs. The launcher
+    checked ``sources[0]`` only and the kernel read every pointer as that dtype (bf16 buffers read as fp32, out of
+    bounds: silently wrong on CUDA). The op now casts every input to the compute dtype (the autocast dtype) first:
+    the kernel sees one dtype, and the result is the float64 reference on the rounded inputs."""
+    shape = (2, 9, 24, 4)
+    query, sources, weight = make_inputs(shape, torch.float32, DEVICE)
+    sources = [sources[0]] + [x.detach().to(dtype).requires_grad_() for x in sources[1:]]
+    grad_h, grad_alpha = make_grads(shape, dtype, DEVICE)
+    with torch.autocast(DEVICE, dtype=dtype):
+        check_run(query, sources, weight, grad_h, grad_alpha, "triton")
+
+
+def test_model_training_under_autocast_on_triton_matches_torch(monkeypatch):
+    """The same through the model (what ``Trainer(bf16=True)`` runs): a bf16-autocast training step on the Triton
+    backend gives the torch backend's loss and gradients to bf16 rounding (before: the kernel read the bf16
+    outputs as fp32)."""
+    from depthfusion_hf.models.attnres import AttnResForCausalLM
+    from tests.attnres.helpers import randomise_attnres, tiny_config
+
+    torch.manual_seed(0)
+    model = AttnResForCausalLM(tiny_config(attnres_block_size=3)).to(DEVICE).train()
+    randomise_attnres(model)
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    results = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("DEPTHFUSION_BACKEND", backend)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        results[backend] = loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
+    eps = torch.finfo(torch.bfloat16).eps
+    (loss, grads), (want_loss, want_grads) = results["triton"], results["torch"]
+    assert abs(loss - want_loss) <= 16 * eps * abs(want_loss)
+    for name, g in want_grads.items():
+        assert (grads[name] - g).norm() <= 32 * eps * g.norm(), name
+
+
+def test_launches_run_under_the_tensors_device():
+    """Triton launches on the current CUDA device: tensors on ``cuda:1`` must be launched under a guard for
+    ``cuda:1`` (and on its current stream, which the guard makes current), not on ``torch.cuda.current_device()``."""
+    guard = attnres_triton._on(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert not isinstance(attnres_triton._on(torch.device("cpu")), torch.cuda.device)

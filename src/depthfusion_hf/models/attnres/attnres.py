@@ -224,10 +224,11 @@ def attnres_torch_forward(query, sources, key_norm_weight, eps):
         p, r = x @ u, torch.rsqrt(x.square().mean(dim=-1).add_(eps))
         alpha = torch.softmax(p * r, dim=-1)
         return (alpha.unsqueeze(-1) * x).sum(dim=-2).to(sources[0].dtype), alpha, p, r
-    p, r = _scores(u, sources, eps, torch.empty(sources[0].shape, dtype=acc, device=u.device))
+    h = torch.empty(sources[0].shape, dtype=acc, device=u.device)  # the product buffer of the scores, then h
+    p, r = _scores(u, sources, eps, h)
     alpha = torch.softmax(p * r, dim=-1)
     weights = alpha.unsqueeze(-1).unbind(-2)  # N views [B, T, 1]
-    h = torch.mul(sources[0], weights[0], out=torch.empty(sources[0].shape, dtype=acc, device=u.device))
+    torch.mul(sources[0], weights[0], out=h)
     for v, a in zip(sources[1:], weights[1:]):
         h.addcmul_(v, a)
     return h.to(sources[0].dtype), alpha, p, r
@@ -270,16 +271,17 @@ class AttnResFunction(torch.autograd.Function):
         b = ds * r
         e = b * p * r.square() / -shape[-1]
         need_u = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        du = torch.zeros(shape, dtype=acc, device=alpha.device) if need_u else None
+        du = (torch.zeros(shape, dtype=acc, device=alpha.device) if scratch is None else scratch.zero_()) if need_u \
+            else None  # [B, T, D]: summed over the sources here, over the tokens after the loop
         grads = []
         for i, (v, a_i, b_i, e_i) in enumerate(zip(sources, *(t.unsqueeze(-1).unbind(-2) for t in (alpha, b, e)))):
             x = v.to(acc)
             if need_u:
-                du.addcmul_(x, b_i)  # summed over the tokens once, after the loop
+                du.addcmul_(x, b_i)
             if not ctx.needs_input_grad[3 + i]:
                 grads.append(None)
                 continue
-            dv = torch.outer(b_i.reshape(-1), u).view(shape).addcmul_(x, e_i)
+            dv = torch.mul(b_i, u).addcmul_(x, e_i)
             grads.append((dv if dh is None else dv.addcmul_(dh, a_i)).to(v.dtype))
         du = du.reshape(-1, shape[-1]).sum(dim=0) if need_u else None
         d_q = (du * g).to(query.dtype) if ctx.needs_input_grad[0] else None

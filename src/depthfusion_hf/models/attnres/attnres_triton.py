@@ -128,8 +128,9 @@ if triton is not None:
             b_x = tl.load(_pick(i, x0, x1, x2, x3, x4, x5, x6, x7) + o_td, mask=m_td, other=0.0).to(tl.float32)
             b_p = tl.sum(b_x * b_u[None, :], axis=1)
             b_r = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
-            tl.store(p_p + o_t * N + first_col + i, b_p, mask=m_t)
-            tl.store(p_r + o_t * N + first_col + i, b_r, mask=m_t)
+            o_c = o_t * N + (first_col + i)
+            tl.store(p_p + o_c, b_p, mask=m_t)
+            tl.store(p_r + o_c, b_r, mask=m_t)
             b_m_new = tl.maximum(b_m, b_p * b_r)
             b_scale = tl.exp(b_m - b_m_new)
             b_e = tl.exp(b_p * b_r - b_m_new)
@@ -161,7 +162,7 @@ if triton is not None:
         b_dh = tl.load(p_dh + o_td, mask=m_td, other=0.0).to(tl.float32)
         for i in tl.static_range(N_CHUNK):
             b_x = tl.load(_pick(i, x0, x1, x2, x3, x4, x5, x6, x7) + o_td, mask=m_td, other=0.0).to(tl.float32)
-            tl.store(p_da + o_t * N + first_col + i, tl.sum(b_dh * b_x, axis=1), mask=m_t)
+            tl.store(p_da + (o_t * N + (first_col + i)), tl.sum(b_dh * b_x, axis=1), mask=m_t)
 
     @triton.jit
     def attnres_grads_kernel(
@@ -189,7 +190,7 @@ if triton is not None:
             b_dh = tl.load(p_dh + o_td, mask=m_td, other=0.0).to(tl.float32)
             for i in tl.static_range(N_CHUNK):
                 b_x = tl.load(_pick(i, x0, x1, x2, x3, x4, x5, x6, x7) + o_td, mask=m_td, other=0.0).to(tl.float32)
-                o_c = o_t * N + first_col + i
+                o_c = o_t * N + (first_col + i)
                 b_b = tl.load(p_b + o_c, mask=m_t, other=0.0)
                 if HAS_DX:
                     b_a = tl.load(p_alpha + o_c, mask=m_t, other=0.0)
