@@ -125,3 +125,49 @@ def test_fusion_num_params_rejects_an_unknown_head():
 def test_backbone_config_from_a_dict_still_builds():
     config = DWAttConfig(backbone_config=tiny_backbone_config().to_dict())
     assert config.hidden_size == 32 and config.num_states == 3
+
+
+BAD_ENCODER_INPUTS = [
+    pytest.param("bert", {"input_ids": torch.randint(5, 20, (1, 65))},
+                 r"65 tokens, more than the encoder takes: at most 64 \(max_position_embeddings = 64\)",
+                 id="bert-too-long"),
+    pytest.param("roberta", {"input_ids": torch.randint(5, 20, (1, 63))},
+                 r"63 tokens, more than the encoder takes: at most 62 \(max_position_embeddings = 64, positions "
+                 r"starting at padding_idx \+ 1 = 2\)", id="roberta-too-long"),
+    pytest.param("bert", {"inputs_embeds": torch.zeros(1, 65, 32)}, "at most 64", id="bert-embeds-too-long"),
+    pytest.param("bert", {"input_ids": torch.tensor([[5, 6]]), "token_type_ids": torch.tensor([[0, 2]])},
+                 r"token_type_ids must lie in \[0, 2\) \(the encoder's type_vocab_size\); got min 0, max 2",
+                 id="token-type-out-of-range"),
+    pytest.param("bert", {"input_ids": torch.tensor([[5, 6]]), "token_type_ids": torch.tensor([[0, 1, 0]])},
+                 r"token_type_ids must have the inputs' shape \(1, 2\); got \(1, 3\)", id="token-type-shape"),
+    pytest.param("bert", {"input_ids": torch.tensor([[5, 6]]), "position_ids": torch.tensor([[0, 64]])},
+                 r"position_ids must lie in \[0, 64\)", id="position-out-of-range"),
+    pytest.param("bert", {"input_ids": torch.tensor([[5, 6]]), "labels": torch.tensor([[0, 1, 2]])},
+                 r"labels must have the inputs' shape \(1, 2\) .*got \(1, 3\)", id="labels-shape"),
+    pytest.param("bert", {"input_ids": torch.tensor([[5, 6]]), "labels": torch.tensor([0, 1])},
+                 r"labels must have the inputs' shape \(1, 2\)", id="labels-flat"),
+    pytest.param("bert", {"input_ids": torch.tensor([[5, 6]]), "labels": torch.tensor([[0, 5]])},
+                 r"labels must lie in \[0, 5\) \(num_labels = 5, or -100 to ignore a token\); got min 0, max 5",
+                 id="label-out-of-range"),
+    pytest.param("bert", {"input_ids": torch.tensor([[5, 6]]), "labels": torch.tensor([[-100, -3]])},
+                 r"labels must lie in \[0, 5\).*got min -3", id="negative-label"),
+    pytest.param("bert", {"input_ids": torch.tensor([[5, 6]]), "labels": torch.tensor([[0.0, 1.0]])},
+                 r"labels must be an integer tensor; got torch.float32", id="float-labels"),
+]
+
+
+@pytest.mark.parametrize(("kind", "inputs", "message"), BAD_ENCODER_INPUTS)
+def test_inputs_the_encoder_cannot_take_raise_value_errors_naming_the_limit(kind, inputs, message):
+    """Before: an IndexError or a shape error deep inside the backbone or the loss."""
+    model = tiny_model("dwatt", kind=kind)
+    with pytest.raises(ValueError, match=message):
+        model(**inputs)
+
+
+@pytest.mark.parametrize(("kind", "length"), [("bert", 64), ("roberta", 62), ("deberta-v2", 64)])
+def test_inputs_at_the_position_limit_run(kind, length):
+    model = tiny_model("dwatt", kind=kind)
+    labels = torch.full((1, length), -100)
+    labels[0, 3] = 4
+    out = model(input_ids=torch.randint(5, 20, (1, length)), labels=labels)
+    assert out.logits.shape == (1, length, 5) and torch.isfinite(out.loss)

@@ -20,6 +20,8 @@ from .sizes_dwatt import check_fraction, concat_head_num_params, deeper_head_num
 
 FUSION_METHODS = tuple(FUSION_HEADS)  # ("dwatt", "concat", "last", "deeper", "last_ln")
 _BACKBONE_HINT = "pass the encoder's config, e.g. BertConfig(...) or {'model_type': 'bert', ...}"
+# The encoder's shape, read from ``backbone_config`` (properties of DWAttConfig, not fields of its own).
+BACKBONE_SHAPE_FIELDS = ("hidden_size", "num_hidden_layers")
 
 
 def check_backbone_dict(backbone: object) -> None:
@@ -49,6 +51,33 @@ def check_backbone_dict(backbone: object) -> None:
         raise ValueError(
             f"`backbone_config` must be None, a dict with `model_type` or a PreTrainedConfig; "
             f"got {type(backbone).__name__}"
+        )
+
+
+def check_no_backbone_shape_kwargs(kwargs: dict) -> None:
+    """Reject ``hidden_size`` / ``num_hidden_layers`` given to ``DWAttConfig`` itself: they are the encoder's."""
+    for name in BACKBONE_SHAPE_FIELDS:
+        if name in kwargs:
+            raise ValueError(
+                f"`{name}` ({kwargs[name]!r}) belongs to the encoder: set it in `backbone_config` (e.g. "
+                f"DWAttConfig(backbone_config=BertConfig({name}=..., ...))); to add a DWAtt head to a pretrained "
+                f"encoder use DWAttForTokenClassification.from_pretrained_backbone(path) (or from_pretrained(path) "
+                f"on the encoder's folder)"
+            )
+
+
+def check_labels(config: PreTrainedConfig, num_labels: object = None) -> None:
+    """``num_labels`` (when given) is an integer >= 1 and ``id2label`` maps exactly the classes ``0..num_labels-1``."""
+    if num_labels is not None and (isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1):
+        raise ValueError(f"`num_labels` must be an integer >= 1; got {num_labels!r}")
+    id2label = config.id2label or {}
+    if len(id2label) < 1:
+        raise ValueError("`num_labels` must be an integer >= 1; `id2label` has no entries")
+    keys = sorted(int(key) for key in id2label)
+    if keys != list(range(len(keys))):
+        raise ValueError(
+            f"`id2label` must map each class index 0..{len(keys) - 1} (num_labels = {len(keys)}) exactly once; "
+            f"got the indices {keys}"
         )
 
 
@@ -120,11 +149,31 @@ class DWAttConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         check_backbone_dict(self.backbone_config)
-        super().__post_init__(**kwargs)  # builds self.backbone_config from a dict / None
+        check_no_backbone_shape_kwargs(kwargs)
+        num_labels = kwargs.get("num_labels")
+        # Builds self.backbone_config from a dict / None, then sets the other kwargs; a top-level vocab_size (written
+        # by resize_token_embeddings before get_text_config named the backbone) goes to the backbone's.
+        super().__post_init__(**kwargs)
         check_backbone_shape(self.backbone_config)
+        check_labels(self, num_labels)
         for head in FUSION_HEADS.values():  # DWAtt first: the others solve their sizes from its budget
             head.complete_config(self)
         self.check_fields()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """Build from a dict; the config of a plain encoder (``model_type`` another than ``"dwatt"``, e.g. read by
+        ``DWAttForTokenClassification.from_pretrained`` from a BERT folder) becomes the backbone of a default DWAtt
+        config, so that the encoder's weights load under ``backbone.`` and the head is initialised."""
+        model_type = config_dict.get("model_type")
+        if model_type is not None and model_type != cls.model_type:
+            check_backbone_dict(config_dict)
+            config_dict = {"backbone_config": dict(config_dict)}
+        return super().from_dict(config_dict, **kwargs)
+
+    def get_text_config(self, decoder=None, encoder=None) -> PreTrainedConfig:
+        """The encoder's config: the text side of the model (``resize_token_embeddings`` writes its vocab_size)."""
+        return self.backbone_config
 
     def check_fields(self) -> None:
         """Validate every field; raise a ValueError naming the field and its allowed values.
@@ -138,6 +187,7 @@ class DWAttConfig(PreTrainedConfig):
             raise ValueError(f"`fusion` must be one of {list(FUSION_METHODS)}; got {self.fusion!r}")
         check_backbone_dict(self.backbone_config)
         check_backbone_shape(self.backbone_config)
+        check_labels(self)
         for head in FUSION_HEADS.values():
             head.check_config(self)
         if self.classifier_dropout is not None:
@@ -152,6 +202,20 @@ class DWAttConfig(PreTrainedConfig):
     def hidden_size(self) -> int:
         """The backbone's width D (also the width of the fused state)."""
         return self.backbone_config.hidden_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """The backbone's number of layers L."""
+        return self.backbone_config.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        """The backbone's vocabulary size (setting it sets the backbone's, as resizing the embeddings does)."""
+        return self.backbone_config.vocab_size
+
+    @vocab_size.setter
+    def vocab_size(self, value: int) -> None:
+        self.backbone_config.vocab_size = value
 
     @property
     def num_states(self) -> int:

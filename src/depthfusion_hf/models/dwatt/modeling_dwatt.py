@@ -9,8 +9,6 @@ comes from is transformers' own and the remote-code export needs only this folde
 equations come from a secondary source (see ``fusion_dwatt.py``).
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +59,85 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
             f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
             f"max {int(input_ids.max())}"
         )
+
+
+def check_index_range(name: str, ids: torch.Tensor, limit: int, what: str) -> None:
+    """Raise a ValueError naming ``name`` and ``what`` unless every entry of the integer tensor ``ids`` lies in
+    ``[0, limit)`` (on CUDA a device-side assertion instead: no host sync per forward; nothing on meta)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor; got {ids.dtype}")
+    if ids.device.type == "meta" or ids.numel() == 0:
+        return
+    out_of_range = ((ids < 0) | (ids >= limit)).any()
+    if ids.device.type == "cuda":
+        torch._assert_async(~out_of_range, f"{name} must lie in [0, {limit}) ({what})")
+    elif bool(out_of_range):
+        raise ValueError(f"{name} must lie in [0, {limit}) ({what}); got min {int(ids.min())}, max {int(ids.max())}")
+
+
+def check_encoder_inputs(backbone: nn.Module, input_shape: torch.Size, token_type_ids: torch.Tensor | None,
+                         position_ids: torch.Tensor | None) -> None:
+    """Reject what the encoder's embedding tables cannot look up, naming the limit (instead of an index error deep
+    inside the backbone).
+
+    Args:
+        backbone: the encoder; its ``embeddings`` module is read when it has BERT-style tables
+            (``position_embeddings`` absolute positions, ``token_type_embeddings``); an encoder without them
+            (relative positions only) has no limit here.
+        input_shape: (B, T).
+        token_type_ids, position_ids: [B, T] or None.
+    Raises:
+        ValueError: T above the encoder's position limit (``max_position_embeddings``, less RoBERTa-style
+            padding offsets), or ids outside the token-type / position tables.
+    """
+    embeddings = getattr(backbone, "embeddings", None)
+    for name, ids in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+        if ids is not None and tuple(ids.shape) not in (tuple(input_shape), (1, input_shape[1])):
+            raise ValueError(f"{name} must have the inputs' shape {tuple(input_shape)}; got {tuple(ids.shape)}")
+    positions = getattr(embeddings, "position_embeddings", None)
+    if isinstance(positions, nn.Embedding):
+        if position_ids is not None:
+            check_index_range("position_ids", position_ids, positions.num_embeddings,
+                              "the encoder's max_position_embeddings")
+        else:
+            # RoBERTa-style encoders number positions from padding_idx + 1 (create_position_ids_from_input_ids).
+            offset = embeddings.padding_idx + 1 if hasattr(embeddings, "create_position_ids_from_input_ids") else 0
+            limit = positions.num_embeddings - offset
+            if input_shape[1] > limit:
+                raise ValueError(
+                    f"the inputs have {input_shape[1]} tokens, more than the encoder takes: at most {limit} "
+                    f"(max_position_embeddings = {positions.num_embeddings}"
+                    + (f", positions starting at padding_idx + 1 = {offset}" if offset else "")
+                    + "); truncate them (tokenizer(..., truncation=True, max_length=...))"
+                )
+    token_types = getattr(embeddings, "token_type_embeddings", None)
+    if token_type_ids is not None and isinstance(token_types, nn.Embedding):
+        check_index_range("token_type_ids", token_type_ids, token_types.num_embeddings,
+                          "the encoder's type_vocab_size")
+
+
+def check_token_labels(labels: torch.Tensor, input_shape: torch.Size, num_labels: int) -> None:
+    """``labels`` [B, T]: integer class ids in ``[0, num_labels)`` or -100 (ignored); a ValueError names the shape
+    or the range otherwise (on CUDA the range is a device-side assertion)."""
+    if tuple(labels.shape) != tuple(input_shape):
+        raise ValueError(f"labels must have the inputs' shape {tuple(input_shape)} (one label per token, -100 to "
+                         f"ignore one); got {tuple(labels.shape)}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor; got {labels.dtype}")
+    check_index_range("labels", labels.masked_fill(labels == -100, 0), num_labels,
+                      f"num_labels = {num_labels}, or -100 to ignore a token")
+
+
+def select_hidden_states(hidden_states: tuple[torch.Tensor, ...], output_hidden_states: bool | int | list[int] | None
+                         ) -> tuple[torch.Tensor | None, ...] | None:
+    """transformers 5's ``output_hidden_states``: a flag (all states or None), or the index / indices of the states
+    to keep (negative ones count from the end; the others become None, out-of-range indices select nothing)."""
+    if output_hidden_states is None or isinstance(output_hidden_states, bool):
+        return tuple(hidden_states) if output_hidden_states else None
+    selected = [output_hidden_states] if isinstance(output_hidden_states, int) else list(output_hidden_states)
+    count = len(hidden_states)
+    keep = {i % count for i in selected if -count <= i < count}
+    return tuple(state if i in keep else None for i, state in enumerate(hidden_states))
 
 
 @dataclass
@@ -151,7 +228,7 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
         label2id: dict[str, int] | None = None,
         backbone_kwargs: dict | None = None,
         **config_kwargs,
-    ) -> DWAttForTokenClassification:
+    ) -> "DWAttForTokenClassification":
         """Load a pretrained encoder (Hub id or folder) with ``AutoModel`` and add a fresh fusion head and classifier.
 
         ``config_kwargs`` go to ``DWAttConfig`` (e.g. ``depth_embedding_size``, ``classifier_dropout``);
@@ -189,7 +266,7 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         output_depth_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
+        output_hidden_states: bool | int | list[int] | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ) -> DWAttTokenClassifierOutput | tuple:
@@ -199,11 +276,20 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
             input_ids / inputs_embeds: [B, T] ids or [B, T, D] embeddings, as the backbone accepts.
             attention_mask, token_type_ids, position_ids: [B, T]; passed to the backbone when given.
             output_depth_attentions: also return the DWAtt weights [B, T, L + 1] (``fusion == "dwatt"``).
-            output_hidden_states: also return the backbone's L + 1 hidden states.
+            output_hidden_states: also return the backbone's L + 1 hidden states (True), or those at the given
+                index / indices (the others None, as transformers' models do).
+            labels: [B, T] class ids in ``[0, num_labels)``, -100 for tokens to ignore.
+        Raises:
+            ValueError: for token inputs the model cannot compute (see ``check_token_inputs``), more tokens than
+                the encoder's position limit, token-type ids outside its table, labels of another shape or range.
             kwargs: other backbone arguments (e.g. ``output_attentions``); ``num_items_in_batch``
                 (from the ``Trainer``) goes to the loss.
         """
         check_token_inputs(input_ids, inputs_embeds, self.get_input_embeddings().num_embeddings)
+        input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        check_encoder_inputs(self.backbone, input_shape, token_type_ids, position_ids)
+        if labels is not None:
+            check_token_labels(labels, input_shape, self.config.num_labels)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
@@ -235,7 +321,7 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
         result = DWAttTokenClassifierOutput(
             loss=loss,
             logits=logits,
-            hidden_states=outputs.hidden_states if output_hidden_states else None,
+            hidden_states=select_hidden_states(outputs.hidden_states, output_hidden_states),
             attentions=outputs.attentions,
             depth_attentions=depth_attentions,
         )
