@@ -97,7 +97,8 @@ def test_from_pretrained_on_a_plain_encoder_folder_adds_a_fresh_head(encoder_cla
     [
         ({"num_labels": -1}, r"`num_labels` must be an integer >= 1; got -1"),
         ({"num_labels": 0}, r"`num_labels` must be an integer >= 1; got 0"),
-        ({"id2label": {0: "O", 2: "B-PER"}}, r"`id2label` must map each class index 0\.\.1 .* got the indices \[0, 2\]"),
+        ({"id2label": {0: "O", 2: "B-PER"}},
+         r"`id2label` must map each class index 0\.\.1 .* got the indices \[0, 2\]"),
         ({"id2label": {}}, r"`num_labels` must be an integer >= 1; `id2label` has no entries"),
     ],
     ids=["num-labels-negative", "num-labels-zero", "gapped-id2label", "empty-id2label"],
