@@ -206,8 +206,12 @@ def _open_parent(folder: Path, relative: str) -> tuple[int, str] | None:
     return fd, parts[-1]
 
 
+# O_NONBLOCK: opening a FIFO left where a file should be returns at once instead of waiting for a writer.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
 def _read_no_follow(path: Path) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, _READ_FLAGS)
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
@@ -222,7 +226,7 @@ def file_sha256(folder: Path, relative: str) -> str | None:
         return None
     parent, name = opened
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=parent)
+        fd = os.open(name, _READ_FLAGS, dir_fd=parent)
     except OSError:
         return None
     finally:

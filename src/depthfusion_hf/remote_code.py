@@ -130,6 +130,8 @@ def _read_json(path: Path) -> tuple[dict | None, str | None]:
         return None, f"{path.name} is a symlink to nothing ({os.readlink(path)})"
     if path.is_dir():
         return None, f"{path.name} is a folder, not a file"
+    if not path.is_file():  # a pipe would block the read
+        return None, f"{path.name} is not a regular file (a pipe, socket or device)"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as error:

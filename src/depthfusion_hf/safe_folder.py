@@ -296,18 +296,21 @@ def _remove_listed(folder: Path, marker: Marker) -> bool:
     """Delete the listed files whose content is unchanged, the marker, then the emptied folders; True when
     ``folder`` itself is gone."""
     hashes = marker.sha256 or {}  # a format-1 marker proves nothing about a file's content: none is deleted
-    for relative in marker.files:
-        if relative in hashes:
-            remove_if_unchanged(folder, relative, hashes[relative])
-    (folder / MARKER).unlink(missing_ok=True)
+    try:
+        for relative in marker.files:
+            if relative in hashes:
+                remove_if_unchanged(folder, relative, hashes[relative])
+        (folder / MARKER).unlink(missing_ok=True)
+    except OSError:  # e.g. a read-only folder: what is left is kept and named below; the new export stands
+        pass
     for root, _, _ in sorted(os.walk(folder, topdown=False), key=lambda item: -len(item[0])):
         try:
             os.rmdir(root)
         except OSError:  # not empty: something the package did not write (or a changed file) is inside; keep it
             pass
     if os.path.lexists(folder):
-        warnings.warn(f"{folder} still holds entries this package did not write (or changed since); they were kept",
-                      stacklevel=3)
+        warnings.warn(f"{folder} still holds entries this package did not write (or changed since, or that could "
+                      "not be removed); they were kept", stacklevel=3)
         return False
     return True
 

@@ -31,6 +31,7 @@ BROKEN_FILES = {
     "config.json latin-1": ("config.json", b'{"model_type": "caf\xe9"}', "config.json is not valid UTF-8"),
     "config.json a folder": ("config.json", None, "config.json is a folder"),
     "config.json dangling": ("config.json", "->nowhere", "config.json is a symlink to nothing"),
+    "config.json a pipe": ("config.json", "fifo", "config.json is not a regular file"),
     "model_type a list": ("config.json", b'{"model_type": ["moda"]}', "model_type must be one of"),
     "auto_map a list": ("config.json", b'{"model_type": "moda", "auto_map": ["x"]}', "auto_map must be an object"),
     "auto_map outside": ("config.json", b'{"model_type": "moda", "auto_map": {"AutoConfig": "../../evil.Config"}}',
@@ -55,6 +56,8 @@ def test_a_broken_file_is_a_problem_naming_it_never_an_exception(exported, tmp_p
     path.unlink(missing_ok=True)  # the index is new: the tiny export has a single weights file
     if data is None:
         path.mkdir()
+    elif data == "fifo":
+        os.mkfifo(path)  # a read would block: the check must not open it
     elif isinstance(data, str):
         path.symlink_to(copy / data[2:])
     else:

@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import warnings
@@ -211,6 +213,27 @@ def test_an_edited_file_is_refused_by_name_and_overwrite_replaces_only_what_it_n
         else:
             assert not path.exists()  # the package's own old file, not written again: removed
     assert read_marker(target)["files"] == sorted(rewritten)
+
+
+@pytest.mark.parametrize("where", ["README.md", MARKER])
+def test_a_pipe_where_a_file_is_expected_never_blocks_the_export(tmp_path, where):
+    """Opening a FIFO for reading waits for a writer: the export must look at it without opening it blocking."""
+    target = write_folder(tmp_path / "out", _writer({"README.md": "card"}))
+    (target / where).unlink()
+    os.mkfifo(target / where)
+
+    def hung(*_):
+        raise TimeoutError("the export blocked on a FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        with pytest.raises(ExportTargetError, match="README.md" if where == "README.md" else MARKER):
+            write_folder(target, _writer({"README.md": "new"}), overwrite=where == MARKER)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert stat.S_ISFIFO(os.lstat(target / where).st_mode)
 
 
 def test_the_edited_model_card_survives_the_next_export(tmp_path):
