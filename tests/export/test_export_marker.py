@@ -422,6 +422,21 @@ def test_a_failed_second_rename_puts_the_old_export_back(tmp_path, monkeypatch):
     assert _snapshot(tmp_path) == before
 
 
+def test_an_old_export_that_cannot_be_emptied_leaves_the_new_one_in_place(tmp_path, monkeypatch):
+    """After the swap the new export stands; a backup that cannot be deleted (read-only) is kept and named."""
+    target = write_folder(tmp_path / "out", _writer({"a.txt": "old"}))
+
+    def read_only(*args):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr("depthfusion_hf.safe_folder.remove_if_unchanged", read_only)
+    with pytest.warns(UserWarning, match="could not be removed"):
+        write_folder(target, _writer({"a.txt": "new"}))
+    assert (target / "a.txt").read_text() == "new"
+    (backup,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.old-")]
+    assert (backup / "a.txt").read_text() == "old"
+
+
 def test_a_writer_that_makes_a_symlink_is_refused(tmp_path):
     def write(staging: Path) -> None:
         (staging / "config.json").write_text("{}")
