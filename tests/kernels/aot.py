@@ -412,6 +412,25 @@ def _ptxas_usage(log: str) -> dict:
     return {"registers": int(regs.group(1)), "stack": stack, "spill_stores": stores, "spill_loads": loads}
 
 
+def error_message(exc: BaseException, limit: int = 4000) -> str:
+    """The root cause first (Triton wraps it: ``CompilationError`` at each call site, the reason in ``__cause__``),
+    then each wrapping error's first line (the kernel source locations), outermost last."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 20:
+        chain.append(chain[-1].__cause__)
+    root = chain[-1]
+    parts = [f"{type(root).__name__}: {str(root).strip()}"]
+    for e in chain[-2::-1]:
+        lines = str(e).rstrip().splitlines()
+        where = lines[0].strip() if lines else ""
+        if len(lines) >= 2 and lines[-1].strip() == "^":  # Triton marks the column under the source line
+            where += " " + lines[-2].strip()
+        parts.append(f"{type(e).__name__}: {where}")
+    if len(chain) == 1 and isinstance(exc, Exception) and "\n" in str(exc):  # one error: keep its text whole
+        parts = [f"{type(exc).__name__}: {str(exc).strip()}"]
+    return " | ".join(parts)[:limit]
+
+
 def compile_launch(launch: Launch, capability: int) -> dict:
     """Compile one specialisation for ``sm_<capability>``: registers, spills, shared memory, or the error.
 
@@ -441,8 +460,7 @@ def compile_launch(launch: Launch, capability: int) -> dict:
         result.update(ok=True, shared=int(compiled.metadata.shared), num_warps=int(compiled.metadata.num_warps),
                       num_stages=int(compiled.metadata.num_stages), **_ptxas_usage(log.getvalue()))
     except Exception as exc:  # noqa: BLE001 - the error is the result
-        message = f"{type(exc).__name__}: {exc}".strip()
-        result.update(ok=False, error=message[:4000])
+        result.update(ok=False, error=error_message(exc))
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
 
