@@ -1,12 +1,22 @@
 """llama_to_denseformer / llama_to_moda / llama_to_attnres refuse what is not a Llama checkpoint, naming what
-they found, instead of returning a randomly initialised model with load warnings."""
+they found, instead of returning a randomly initialised model with load warnings; and keep what they convert: the
+Llama's generation config, special token ids and dtype (and, saved alongside, its tokenizer's special tokens and
+chat template)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BertConfig,
+    BertForMaskedLM,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from depthfusion_hf import (
     AttnResConfig,
@@ -97,3 +107,58 @@ def test_a_real_llama_folder_still_converts_with_every_weight(convert, tmp_path)
     state = model.state_dict()
     for name, tensor in llama.state_dict().items():
         assert torch.equal(state[name], tensor), name
+
+
+# A Llama-3-style setup: two end tokens (end of text, end of turn), a repetition penalty, a pad id, bfloat16 weights.
+SPECIAL = dict(bos_token_id=1, eos_token_id=[2, 7], pad_token_id=0)
+
+
+def llama_with_settings(dtype: torch.dtype) -> LlamaForCausalLM:
+    llama = LlamaForCausalLM(LlamaConfig(**(TINY_DECODER | SPECIAL))).to(dtype)
+    llama.generation_config = GenerationConfig(**SPECIAL, repetition_penalty=1.3, max_new_tokens=9, do_sample=True, top_k=7)
+    return llama.eval()
+
+
+def generation_settings(model) -> dict:
+    return {k: v for k, v in model.generation_config.to_dict().items() if k != "transformers_version"}
+
+
+@pytest.mark.parametrize("convert", CONVERTERS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("source", ["object", "folder"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_conversion_keeps_the_generation_config_special_tokens_and_dtype(convert, source, dtype, tmp_path):
+    llama = llama_with_settings(dtype)
+    if source == "folder":
+        llama.save_pretrained(tmp_path)
+    model = convert(llama if source == "object" else tmp_path)
+    assert generation_settings(model) == generation_settings(llama)  # before: eos 2 only, no penalty
+    assert model.generation_config.eos_token_id == [2, 7] and model.generation_config.repetition_penalty == 1.3
+    assert {k: getattr(model.config, k) for k in SPECIAL} == SPECIAL
+    assert {p.dtype for p in model.parameters()} == {dtype} and model.config.dtype == dtype
+
+
+@pytest.mark.parametrize("convert", CONVERTERS, ids=lambda f: f.__name__)
+def test_a_converted_model_saved_with_the_llamas_tokenizer_keeps_all_of_it(convert, tmp_path):
+    from depthfusion_hf.data.corpus import load_kjv_chapters, train_bpe_tokenizer
+    from depthfusion_hf.export import save_remote_code_folder
+
+    tokenizer = train_bpe_tokenizer(load_kjv_chapters()[:5], vocab_size=TINY_DECODER["vocab_size"] + 300)
+    tokenizer.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|eot|>{% endfor %}"
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eot|>"]})
+    vocab = len(tokenizer)
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=[tokenizer.eos_token_id, vocab - 1],
+               pad_token_id=tokenizer.pad_token_id)
+    llama = LlamaForCausalLM(LlamaConfig(**(TINY_DECODER | {"vocab_size": vocab} | ids))).to(torch.bfloat16)
+    llama.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id, vocab - 1],
+                                               repetition_penalty=1.3)
+    llama.save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    model = convert(tmp_path / "llama")
+    save_remote_code_folder(model, tmp_path / "out", tokenizer=AutoTokenizer.from_pretrained(tmp_path / "llama"))
+    saved = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert saved.chat_template == tokenizer.chat_template and saved.get_vocab() == tokenizer.get_vocab()
+    assert saved.all_special_tokens == tokenizer.all_special_tokens
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    assert loaded.generation_config.eos_token_id == [tokenizer.eos_token_id, vocab - 1]
+    assert loaded.generation_config.repetition_penalty == 1.3
+    assert loaded.config.dtype == torch.bfloat16

@@ -7,6 +7,7 @@ converted model's logits equal the Llama's.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -38,13 +39,11 @@ def load_llama(model_or_path: LlamaForCausalLM | str | os.PathLike, **load_kwarg
             ``architectures`` found), or a checkpoint that lacks Llama weights (names them).
         OSError: the folder / Hub id has no ``config.json`` or no weights (from transformers).
     """
-    if isinstance(model_or_path, LlamaForCausalLM):
-        if model_or_path.config.model_type != "llama":
-            raise _not_a_llama(f"a {type(model_or_path).__name__} whose config has model_type "
-                               f"{model_or_path.config.model_type!r}")
-        return model_or_path
     if isinstance(model_or_path, torch.nn.Module):
+        # our families subclass LlamaForCausalLM: the model_type tells a Llama
         model_type = getattr(getattr(model_or_path, "config", None), "model_type", None)
+        if isinstance(model_or_path, LlamaForCausalLM) and model_type == "llama":
+            return model_or_path
         raise _not_a_llama(f"a {type(model_or_path).__name__} object (model_type {model_type!r})")
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise ValueError(f"expected a LlamaForCausalLM, a folder or a Hub id; got {type(model_or_path).__name__}")
@@ -72,6 +71,22 @@ def llama_config_fields(config: LlamaConfig) -> dict:
     for key in ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path"):
         fields.pop(key, None)
     return fields
+
+
+def keep_llama_settings(llama: LlamaForCausalLM, model: torch.nn.Module) -> None:
+    """Give the converted ``model`` what a user relies on besides the weights: the Llama's generation config
+    (e.g. ``eos_token_id=[2, 7]``, ``repetition_penalty``; without it generation stops only at the config's eos),
+    its attention implementation, device, dtype (parameters and ``config.dtype``) and train / eval mode.
+
+    The special token ids come with the config fields; a tokenizer (special tokens, chat template) is not part of
+    the model: save the Llama's with the converted model (``save_remote_code_folder(model, folder, tokenizer)``).
+    """
+    parameter = next(llama.parameters())
+    model.to(device=parameter.device, dtype=parameter.dtype)
+    model.config.dtype = parameter.dtype
+    if getattr(llama, "generation_config", None) is not None:
+        model.generation_config = copy.deepcopy(llama.generation_config)
+    model.train(llama.training)
 
 
 def copy_llama_weights(source: LlamaForCausalLM, target: torch.nn.Module, new_keys: tuple[str, ...]) -> None:
@@ -110,12 +125,11 @@ def llama_to_denseformer(
     fields = llama_config_fields(llama.config)
     config = DenseFormerConfig(**fields, dwa_dilation=dwa_dilation, dwa_period=dwa_period)
     config._attn_implementation = llama.config._attn_implementation
-    parameter = next(llama.parameters())
-    model = DenseFormerForCausalLM(config).to(device=parameter.device, dtype=parameter.dtype)
+    model = DenseFormerForCausalLM(config)
+    keep_llama_settings(llama, model)
     copy_llama_weights(llama, model, new_keys=("model.dwa.",))
     if config.tie_word_embeddings:
         model.tie_weights()
-    model.train(llama.training)
     return model
 
 
@@ -189,18 +203,17 @@ def llama_to_moda(
     config = MoDAConfig(**fields, moda_ffn_kv=moda_ffn_kv, norm_position="pre")
     attn_implementation = llama.config._attn_implementation
     config._attn_implementation = attn_implementation if attn_implementation in ("eager", "sdpa") else "sdpa"
-    parameter = next(llama.parameters())
-    model = MoDAForCausalLM(config).to(device=parameter.device, dtype=parameter.dtype)
+    model = MoDAForCausalLM(config)
+    keep_llama_settings(llama, model)
     new_keys = tuple(f"model.layers.{i}.ffn_kv_proj." for i in range(config.num_hidden_layers))
     copy_llama_weights(llama, model, new_keys=new_keys)
     init_ffn_kv_from_llama(model, ffn_kv_init)
     if config.tie_word_embeddings:
         model.tie_weights()
-    model.train(llama.training)
     return model
 
 
-__all__ = ["llama_to_denseformer", "load_llama", "copy_llama_weights", "llama_config_fields"]
+__all__ = ["llama_to_denseformer", "load_llama", "copy_llama_weights", "keep_llama_settings", "llama_config_fields"]
 __all__ += ["llama_to_moda", "init_ffn_kv_from_llama", "FFN_KV_INITS"]
 
 
@@ -232,14 +245,13 @@ def llama_to_attnres(
     llama = load_llama(model_or_path, **load_kwargs)
     config = AttnResConfig(**llama_config_fields(llama.config), attnres_block_size=attnres_block_size)
     config._attn_implementation = llama.config._attn_implementation
-    parameter = next(llama.parameters())
-    model = AttnResForCausalLM(config).to(device=parameter.device, dtype=parameter.dtype)
+    model = AttnResForCausalLM(config)
+    keep_llama_settings(llama, model)
     new_keys = tuple(f"model.layers.{i}.{name}." for i in range(config.num_hidden_layers)
                      for name in ("mlp_res", "output_res"))
     copy_llama_weights(llama, model, new_keys=new_keys)
     if config.tie_word_embeddings:
         model.tie_weights()
-    model.train(llama.training)
     return model
 
 
