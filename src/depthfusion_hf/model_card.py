@@ -99,13 +99,62 @@ def model_card_values(model: PreTrainedModel, repo_id: str, dataset: str | None 
     return values | family.card_values(model)
 
 
+# Built-in corpora of ``load_documents`` and what their validation split holds.
+BUILTIN_DATASETS = {"kjv": "King James Bible, held-out chapters", "plays": "Shakespeare's plays, held-out passages"}
+
+
+def _files_text(files: Sequence[Mapping[str, Any]]) -> str:
+    return ", ".join(f"{f['name']} (sha256 {f['sha256']})" if f.get("sha256") else f"{f['name']} (sha256 not recorded)"
+                     for f in files)
+
+
+def describe_data(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The card's dataset fields for a ``results.json`` data record (see ``recipes.records.data_record``).
+
+    Returns ``dataset_source`` (``"files"``, ``"builtin"``, ``"hub"``), ``dataset_type`` (the Hub id or built-in
+    name; ``"local-files"``), ``dataset_name`` (what the validation numbers were measured on, local files by name
+    and sha256) and ``dataset_config`` (a Hub dataset's configuration, or ``None``).
+    """
+    source, name, config = data.get("source"), data.get("name"), data.get("config")
+    validation = data.get("validation_files") or []
+    if source == "files":
+        train = _files_text(data.get("files") or [])
+        held_out = f"validation files {_files_text(validation)}" if validation else "held-out documents"
+        return dict(dataset_source=source, dataset_type="local-files", dataset_config=None,
+                    dataset_name=f"local files {train}; {held_out}")
+    if source == "builtin":
+        return dict(dataset_source=source, dataset_type=name, dataset_config=None,
+                    dataset_name=BUILTIN_DATASETS.get(name, f"{name}, held-out documents"))
+    if source == "hub":
+        shown = f"{name} ({config})" if config else name
+        return dict(dataset_source=source, dataset_type=name, dataset_config=config,
+                    dataset_name=f"{shown}, documents held out from its train split")
+    raise ValueError(f"a data record's source must be 'files', 'builtin' or 'hub'; got {source!r}")
+
+
+def _recorded_data(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The data record of a ``results.json``; for a file written before records existed, one rebuilt from its
+    arguments (local files then carry no hash: the file on disk now may not be the one trained on)."""
+    if data.get("data"):
+        return data["data"]
+    args = data.get("args", {})
+    if args.get("train_files"):
+        return {"source": "files", "name": ", ".join(Path(f).name for f in args["train_files"]),
+                "files": [{"name": Path(f).name} for f in args["train_files"]],
+                "validation_files": [{"name": Path(f).name} for f in args.get("validation_files") or []]}
+    dataset = args.get("dataset") or "kjv"
+    return {"source": "builtin" if dataset in BUILTIN_DATASETS else "hub", "name": dataset,
+            "config": args.get("dataset_config")}
+
+
 def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str) -> list[dict[str, Any]]:
     """Metric entries for a causal LM from ``scripts/train_clm.py``'s ``results.json`` (path or parsed dict).
 
     Takes the run whose ``model_type`` is ``model_type`` and the Llama baseline (``model_type`` ``"llama"``);
     returns entries (see :func:`model_index`) for the validation loss and perplexity of the model, with the
     baseline's numbers kept under ``"baseline"`` for the card's results table. Runs are matched by the
-    ``model_type`` each run records, never by their display names.
+    ``model_type`` each run records, never by their display names. The dataset is the one the file's ``data``
+    record names (:func:`describe_data`): local files by name and sha256, a Hub id with its configuration.
 
     Raises:
         ValueError: if a run records no ``model_type`` (a file from an older ``train_clm.py``: add the field
@@ -123,9 +172,7 @@ def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str)
                          f"{[(run.get('name'), run['model_type']) for run in runs]})")
     run = ours[0]
     baseline = next((r for r in runs if r["model_type"] == "llama"), None)
-    args = data.get("args", {})
-    dataset = args.get("dataset") or "local files"
-    dataset_name = "King James Bible, held-out chapters" if dataset == "kjv" else f"{dataset} (validation split)"
+    dataset = describe_data(_recorded_data(data))
     steps = data.get("settings", {}).get("max_steps")
     entries = []
     for metric, name, key in (("loss", "Validation loss", "eval_loss"), ("perplexity", "Validation perplexity",
@@ -134,8 +181,7 @@ def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str)
         entry = {
             "task_type": "text-generation",
             "task_name": "Causal language modeling",
-            "dataset_type": dataset,
-            "dataset_name": dataset_name,
+            **dataset,
             "dataset_split": "validation",
             "metric_type": metric,
             "metric_name": name,
@@ -152,14 +198,16 @@ def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str)
 def model_index(model_name: str, entries: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The Hub ``model-index`` (one result per task/dataset pair) from metric entries.
 
-    Each entry: ``task_type``, ``task_name``, ``dataset_type``, ``dataset_name``, optional ``dataset_split``,
-    ``metric_type``, ``metric_name``, ``value``; other keys are ignored.
+    Each entry: ``task_type``, ``task_name``, ``dataset_type``, ``dataset_name``, optional ``dataset_config`` and
+    ``dataset_split``, ``metric_type``, ``metric_name``, ``value``; other keys are ignored.
     """
     results: dict[tuple, dict[str, Any]] = {}
     for entry in entries:
-        key = (entry["task_type"], entry["dataset_type"], entry.get("dataset_split"))
+        key = (entry["task_type"], entry["dataset_type"], entry.get("dataset_config"), entry.get("dataset_split"))
         if key not in results:
             dataset = {"name": entry["dataset_name"], "type": entry["dataset_type"]}
+            if entry.get("dataset_config"):
+                dataset["config"] = entry["dataset_config"]
             if entry.get("dataset_split"):
                 dataset["split"] = entry["dataset_split"]
             results[key] = {"task": {"type": entry["task_type"], "name": entry["task_name"]},
@@ -203,7 +251,8 @@ def build_model_card(
         results: metric entries (see :func:`model_index`, :func:`clm_results`); they become the card's
             ``model-index`` and results table. ``None``: the card claims no results and has no ``model-index``.
         template_dir: folder holding ``<model_type>.md``; defaults to :func:`default_model_cards_dir`.
-        dataset: the training data's Hub id for the ``datasets`` metadata (default: the reference run's).
+        dataset: the training data's Hub id for the ``datasets`` metadata (default: the one the results name; for
+            local files the card names them and has no ``datasets`` metadata; without results: the reference run's).
         trained: ``False`` for a random initialisation: the card names no training data and no results.
     Returns:
         The card text (YAML front matter + markdown).
@@ -216,13 +265,19 @@ def build_model_card(
         raise FileNotFoundError(f"model card template not found: {template_path}")
     if not trained and results:
         raise ValueError("a randomly initialised model has no measured results")
+    measured_on = next((entry for entry in results or () if entry.get("dataset_source")), None)
+    local_files = dataset is None and measured_on is not None and measured_on["dataset_source"] == "files"
+    if dataset is None and measured_on is not None and not local_files:
+        dataset = measured_on["dataset_type"]  # the Hub id or built-in corpus the results were measured on
     values = model_card_values(model, repo_id, dataset=dataset)
+    if local_files:
+        values["dataset"] = measured_on["dataset_name"]
     if not trained:
         values["dataset"] = "nothing: randomly initialised weights"
     values["results_section"] = _results_section(results)
     meta, body = split_front_matter(render_template(template_path.read_text(), values))
     meta.pop("model-index", None)
-    if not trained:
+    if not trained or local_files:  # `datasets` metadata names Hub datasets; local files have none
         meta.pop("datasets", None)
     if results:
         meta["model-index"] = model_index(repo_id.rstrip("/").split("/")[-1], results)
@@ -233,6 +288,7 @@ __all__ = [
     "build_model_card",
     "clm_results",
     "default_model_cards_dir",
+    "describe_data",
     "join_front_matter",
     "model_card_values",
     "model_index",

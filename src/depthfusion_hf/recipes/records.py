@@ -1,0 +1,51 @@
+"""What a causal-LM run records about its data in ``results.json`` (model cards read it; see ``model_card``)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..data.corpus import BUILTIN_CORPUS
+
+BUILTIN_CORPORA = (BUILTIN_CORPUS, "plays")  # the corpora `load_documents` ships (the rest are Hub ids)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes (hex)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def data_record(
+    dataset: str | None = None,
+    dataset_config: str | None = None,
+    train_files: Sequence[str | os.PathLike] | None = None,
+    validation_files: Sequence[str | os.PathLike] | None = None,
+    validation_fraction: float | None = None,
+) -> dict:
+    """What a run trained and evaluated on, as ``results.json`` records it and model cards read it.
+
+    ``{"source": "files" | "builtin" | "hub", "name", "config", "files": [{"name", "sha256"}],
+    "validation_files": [{"name", "sha256"}], "validation_fraction"}``: local files by name and hash (``dataset`` is
+    then unused, whatever its default), a built-in corpus by name, a Hub dataset by id and configuration. The
+    validation data is the files given, or the last ``validation_fraction`` of the documents.
+    """
+    def files(paths):
+        return [{"name": Path(path).name, "sha256": file_sha256(path)} for path in paths or ()]
+
+    if train_files:
+        record = {"source": "files", "name": ", ".join(Path(path).name for path in train_files), "config": None}
+    elif dataset in (None, *BUILTIN_CORPORA):
+        record = {"source": "builtin", "name": dataset or BUILTIN_CORPUS, "config": None}
+    else:
+        record = {"source": "hub", "name": dataset, "config": dataset_config}
+    return record | {"files": files(train_files), "validation_files": files(validation_files),
+                     "validation_fraction": None if validation_files else validation_fraction}
+
+
+__all__ = ["BUILTIN_CORPORA", "data_record", "file_sha256"]
