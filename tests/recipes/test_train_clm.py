@@ -92,7 +92,7 @@ def test_moda_run_draws_its_depth_share_plot(tmp_path):
 
 def test_bad_arguments_and_foreign_final_folders_are_rejected_before_training(tmp_path):
     proc = train_clm(["--max_steps", "0", "--output_dir", str(tmp_path / "a")], tmp_path)
-    assert proc.returncode == 2 and "--max_steps must be >= 1" in proc.stderr
+    assert proc.returncode == 2 and "argument --max_steps: must be an integer >= 1; got 0" in proc.stderr
     proc = train_clm(TINY + ["--dwa_dilation", "9", "--output_dir", str(tmp_path / "b")], tmp_path)
     assert proc.returncode == 1 and "`dwa_dilation` must be an integer in" in proc.stderr
     final = tmp_path / "c" / "llama" / "final"
@@ -120,13 +120,29 @@ def test_trainer_does_not_decay_dwa_weights(tmp_path):
     assert not any("norm" in n for n in decayed)
 
 
-def test_upcycling_run_trains_the_new_parameters_at_their_own_rate(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama_folder(folder: Path, vocab_size: int = 400, tokenizer: bool = True, chat_template: str | None = None):
+    """A random 2-layer Llama saved with (by default) its own BPE tokenizer of ``vocab_size`` tokens; returns the
+    tokenizer (or ``None``)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256))
-    llama.save_pretrained(tmp_path / "llama")
+    tok = train_bpe_tokenizer(load_documents()[:40], vocab_size=vocab_size) if tokenizer else None
+    special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id) if tok \
+        else {}
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=256, **special))
+    llama.generation_config = GenerationConfig(**special, repetition_penalty=1.3)
+    llama.save_pretrained(folder)
+    if tok is not None:
+        if chat_template is not None:
+            tok.chat_template = chat_template
+        tok.save_pretrained(folder)
+    return llama, tok
+
+
+def test_upcycling_run_trains_the_new_parameters_at_their_own_rate(tmp_path):
+    llama, _ = tiny_llama_folder(tmp_path / "llama")
     out = tmp_path / "run"
     # lr 1e-7 for the Llama's weights, 1e-7 x 1e5 = 1e-2 for the DWA weights: Adam moves each parameter by about
     # its rate per step, so after 4 steps the pretrained weights are unchanged to ~1e-6 and the DWA weights are not.
@@ -141,3 +157,37 @@ def test_upcycling_run_trains_the_new_parameters_at_their_own_rate(tmp_path):
     assert alphas_moved > 1e-3 and llama_moved < 1e-5, (alphas_moved, llama_moved)
     proc = train_clm(TINY + ["--new_param_lr_scale", "10", "--output_dir", str(tmp_path / "x")], tmp_path)
     assert proc.returncode == 2 and "--new_param_lr_scale applies to upcycling" in proc.stderr
+
+
+def test_upcycling_trains_with_the_llamas_own_tokenizer_and_keeps_what_it_holds(tmp_path):
+    """Before, ``--init_from`` trained a fresh BPE (the pretrained embeddings then read scrambled ids)."""
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    _, own = tiny_llama_folder(tmp_path / "llama", vocab_size=420, chat_template=template)
+    out = tmp_path / "run"
+    # --vocab_size 400 would give a fresh BPE another vocabulary than the Llama's own 420 tokens
+    proc = train_clm(TINY + ["--init_from", str(tmp_path / "llama"), "--max_steps", "1", "--eval_steps", "0",
+                             "--no_baseline", "--output_dir", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = out / "denseformer" / "final"
+    saved = AutoTokenizer.from_pretrained(final)
+    assert saved.get_vocab() == own.get_vocab() and saved.chat_template == template
+    assert (saved.bos_token, saved.eos_token, saved.pad_token) == (own.bos_token, own.eos_token, own.pad_token)
+    generation = json.loads((final / "generation_config.json").read_text())
+    assert generation["repetition_penalty"] == 1.3 and generation["eos_token_id"] == own.eos_token_id
+
+
+def test_upcycling_refuses_a_tokenizer_that_does_not_fit_the_llama(tmp_path):
+    tiny_llama_folder(tmp_path / "llama", vocab_size=420)
+    other = train_bpe_tokenizer(load_documents()[50:90], vocab_size=420)  # same size, other vocabulary
+    other.save_pretrained(tmp_path / "other")
+    proc = train_clm(TINY + ["--init_from", str(tmp_path / "llama"), "--tokenizer", str(tmp_path / "other"),
+                             "--max_steps", "1", "--no_baseline", "--output_dir", str(tmp_path / "a")], tmp_path)
+    assert proc.returncode == 1 and "has another vocabulary" in proc.stderr and "the Llama" in proc.stderr
+    tiny_llama_folder(tmp_path / "bare", vocab_size=300, tokenizer=False)  # a Llama folder without a tokenizer
+    proc = train_clm(TINY + ["--init_from", str(tmp_path / "bare"), "--max_steps", "1", "--no_baseline",
+                             "--output_dir", str(tmp_path / "b")], tmp_path)
+    assert proc.returncode == 1 and "holds no tokenizer" in proc.stderr and "pass --tokenizer" in proc.stderr
+    proc = train_clm(TINY + ["--init_from", str(tmp_path / "bare"), "--tokenizer", str(tmp_path / "other"),
+                             "--max_steps", "1", "--no_baseline", "--output_dir", str(tmp_path / "c")], tmp_path)
+    assert proc.returncode == 1 and "the tokenizer has 420 tokens, more than the model's vocab_size 300" in proc.stderr
+    assert not any((tmp_path / name / "denseformer" / "final").exists() for name in "abc")

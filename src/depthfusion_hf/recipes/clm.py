@@ -6,6 +6,7 @@ tests) call: the model factory, the training arguments, one training run, and th
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -24,25 +25,56 @@ from transformers import (
     Trainer,
     TrainingArguments,
 )
-from transformers.trainer_utils import get_last_checkpoint as _last_checkpoint
 
 from ..convert import llama_config_fields, load_llama
+from ..data.textfile import DataFormatError, read_text
 from ..families import FAMILIES, Family, causal_lm_families
 from ..remote_code import save_model_folder
+from .checkpoints import CheckpointExtras, full_disk_error, get_last_checkpoint
 
 # The plain baseline every causal-LM family is compared with (not a registry family: transformers' own).
 BASELINE = "llama"
 MODEL_KINDS = causal_lm_families() + (BASELINE,)  # at import time; the functions below read the registry itself
-ARCH_EXCLUDE = ("_comment", "model_type")
 
 
-def load_arch(path: str | Path) -> dict:
-    """Read a model-config JSON (``configs/*.json``), dropping comments and ``model_type``."""
-    with open(path, encoding="utf-8") as handle:
-        arch = json.load(handle)
+def _config_fields(kind: str | None) -> set[str]:
+    """The field names of ``kind``'s config class (``None``: of every causal-LM family and Llama)."""
+    kinds = [kind] if kind is not None else [*causal_lm_families(), BASELINE]
+    classes = [LlamaConfig if k == BASELINE else FAMILIES[k].config_class for k in kinds]
+    return {name for cls in classes for name in cls.__dataclass_fields__}
+
+
+def load_arch(path: str | Path, kind: str | None = None) -> dict:
+    """Read a model-config JSON (``configs/*.json``, or a saved ``config.json``): its fields, without comments (keys
+    starting with ``_``) and ``model_type``.
+
+    Args:
+        kind: the model the fields are for (``--model``); ``None``: any causal-LM family.
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not UTF-8 JSON holding an object (names the file and line); it names a
+            ``model_type`` other than ``kind`` (or ``llama``: plain Llama fields suit every family); a key is a near
+            miss of a config field (``num_hiden_layers``; names the nearest field). A family's own config class then
+            refuses misspelt family options (e.g. ``dwa_dilaton``).
+    """
+    text = read_text(path)
+    try:
+        arch = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataFormatError(path, error.lineno, f"not valid JSON: {error.msg} (column {error.colno})") from error
     if not isinstance(arch, dict):
-        raise ValueError(f"{path}: a model config must be a JSON object")
-    return {k: v for k, v in arch.items() if k not in ARCH_EXCLUDE}
+        raise DataFormatError(path, None, f"a model config must be a JSON object; got {type(arch).__name__}")
+    model_type = arch.get("model_type")
+    if kind is not None and model_type is not None and model_type not in (kind, BASELINE):
+        raise ValueError(f"{path} is a config of model_type {model_type!r}, not {kind!r}: pass --model {model_type}, "
+                         f"or a config of {kind!r} or of Llama fields only")
+    fields = {k: v for k, v in arch.items() if not k.startswith("_") and k != "model_type"}
+    valid = _config_fields(kind)
+    for key in fields.keys() - valid:
+        near = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.85)
+        if near:
+            raise ValueError(f"{path}: `{key}` is not a config field; the nearest valid name is `{near[0]}`")
+    return fields
 
 
 def _family(kind: str) -> Family | None:
@@ -175,6 +207,18 @@ class DepthFusionTrainer(Trainer):
         self.new_names = tuple(new_names)
         self.new_param_lr_scale = float(new_param_lr_scale)
 
+    def _issue_warnings_after_load(self, load_result) -> None:
+        """The stock warnings after a resume loaded the weights, less the tied weights a checkpoint never holds.
+
+        ``save_pretrained`` drops a tied ``lm_head.weight`` (it is the input embedding), so the stock check warned
+        "missing keys: ['lm_head.weight']" on every resume of a tied model: noise that hid the warnings that matter.
+        """
+        tied = set(getattr(self.model, "all_tied_weights_keys", None) or {})
+        missing = [key for key in load_result.missing_keys if key not in tied]
+        if len(missing) < len(load_result.missing_keys):
+            self.model.tie_weights()
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
     def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
         """Names of the parameters that get weight decay: those of the stock rule with 2 or more dims."""
         names = set(super().get_decay_parameter_names(model))
@@ -274,11 +318,6 @@ def sharded_training() -> bool:
     return _launch_sets("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 
 
-def get_last_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest ``checkpoint-N`` folder in ``output_dir`` (None when there is none or the folder is missing)."""
-    return _last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
-
-
 @dataclass
 class RunResult:
     """What one training run measured (``model_type`` names the family, ``"llama"`` for the baseline)."""
@@ -321,9 +360,16 @@ def train_one(
     """
     args = training_arguments(output_dir, settings)
     trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    trainer.add_callback(CheckpointExtras(tokenizer, model.config))  # every checkpoint holds tokenizer and config
     warn_if_sharding_dropped(trainer)
     start = time.perf_counter()
-    train_output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    try:
+        train_output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    except Exception as error:
+        full = full_disk_error(error, output_dir)
+        if full is not None:
+            raise full from error
+        raise
     seconds = train_output.metrics.get("train_runtime", time.perf_counter() - start)
     metrics = trainer.evaluate()
     # Steps this call ran (fewer than max_steps after a resume; the Trainer records where it started).
@@ -333,7 +379,13 @@ def train_one(
     to_save = unsharded_model(trainer, model)
     if trainer.is_world_process_zero():
         # a remote-code folder (the Llama baseline: a plain one), marked; never replaces what we did not write
-        save_model_folder(to_save, output_dir / "final", tokenizer=tokenizer)
+        try:
+            save_model_folder(to_save, output_dir / "final", tokenizer=tokenizer)
+        except Exception as error:
+            full = full_disk_error(error, output_dir)
+            if full is not None:
+                raise full from error
+            raise
         if analyse is not None:
             analyse(to_save)
     return RunResult(
