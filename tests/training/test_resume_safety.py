@@ -23,7 +23,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 from depthfusion_hf import AttnResConfig, DenseFormerConfig, MoDAConfig
 from depthfusion_hf.recipes import checkpoints
@@ -287,3 +287,29 @@ def test_a_real_missing_key_still_warns_after_a_resume(tmp_path):
         trainer._issue_warnings_after_load(model.load_state_dict(state, strict=False))
     assert [m for m in log.messages if "missing keys" in m] == [
         "There were missing keys in the checkpoint model loaded: ['model.norm.weight']."]
+
+
+def test_resume_config_compares_an_upcycled_checkpoint_with_its_llama(tmp_path):
+    """With --init_from, the Llama states every field (its vocabulary included)."""
+    from transformers import LlamaForCausalLM
+
+    from depthfusion_hf.convert import llama_config_fields, llama_to_denseformer
+
+    llama = LlamaForCausalLM(LlamaConfig(**ARCH, vocab_size=120))
+    llama_to_denseformer(llama, dwa_dilation=2).save_pretrained(tmp_path / "ckpt")
+    fields = llama_config_fields(llama.config)
+    config = resume_config(tmp_path / "ckpt", "denseformer", {}, fields, "--init_from L")
+    assert (config.dwa_dilation, config.vocab_size) == (2, 120)
+    other = llama_config_fields(LlamaConfig(**(ARCH | {"hidden_size": 48}), vocab_size=121))
+    with pytest.raises(ValueError, match="--init_from L gives hidden_size=48, the checkpoint has 32") as info:
+        resume_config(tmp_path / "ckpt", "denseformer", {}, other, "--init_from L")
+    assert "vocab_size=121, the checkpoint has 120" in str(info.value)
+
+
+def test_a_baseline_checkpoint_of_another_llama_is_refused(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(**ARCH, vocab_size=120)).save_pretrained(tmp_path / "ckpt")
+    baseline = LlamaForCausalLM(LlamaConfig(**(ARCH | {"num_hidden_layers": 3}), vocab_size=120))
+    with pytest.raises(ValueError, match="holds another Llama than this run's baseline: num_hidden_layers: this run 3"):
+        train_clm.check_baseline_checkpoint(str(tmp_path / "ckpt"), baseline)
