@@ -106,7 +106,7 @@ def load_marker(folder: Path) -> Marker | None:
     path = folder / MARKER
     try:
         text = _read_no_follow(path)
-    except OSError:
+    except (OSError, UnicodeDecodeError):  # none, a link, a pipe, or bytes that are no UTF-8: not this package's
         return None
     try:
         data = json.loads(text)

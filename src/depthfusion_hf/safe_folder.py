@@ -374,9 +374,10 @@ def write_folder(
     target = state.path
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_staging(target)
-    staging = _new_staging(target)
+    staging: Path | None = None
     staged = False
     try:
+        staging = _new_staging(target)
         write(staging)
         written = _staged_files(staging)
         write_marker(staging, written)
@@ -397,14 +398,16 @@ def write_folder(
         else:
             _swap_in(staging, target, state)
     except OSError as error:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         if error.errno in _DISK_FULL and not staged:
             raise OSError(error.errno, f"the disk is full ({os.strerror(error.errno)}) while the export to {target} "
                           f"was written; the partial export was removed and {target} was not changed. Free some "
                           "space and export again") from error
         raise
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
 

@@ -234,7 +234,7 @@ def test_a_file_without_any_document_and_an_empty_file_list_are_refused(tmp_path
             load_documents(files=[good, tmp_path / name])
     with pytest.raises(ValueError, match="empty list"):
         load_documents(files=[])
-    with pytest.raises(TypeError, match="single path"):
+    with pytest.raises(ValueError, match="single path"):
         load_documents(files=str(good))
     with pytest.raises(ValueError, match="not both"):
         load_documents(dataset="plays", files=[good])

@@ -141,6 +141,20 @@ def test_a_malformed_marker_of_this_package_is_refused_naming_it(tmp_path, files
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("data", [b'{"written_by": "depthfusion-hf\xe9"}', b"\xff\xfe{}", b"", b"{"], ids=repr)
+def test_a_file_named_like_the_marker_that_is_no_json_is_a_foreign_file(tmp_path, data):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "a.txt").write_text("old")
+    (target / MARKER).write_bytes(data)
+    before = _snapshot(tmp_path)
+    with pytest.raises(ExportTargetError, match=rf"not an export of this package .*{MARKER}"):
+        write_folder(target, _writer({"a.txt": "new"}))
+    with pytest.raises(ExportTargetError, match=rf"names of files the export writes.*{MARKER}"):
+        write_folder(target, _writer({"b.txt": "new"}), overwrite=True)
+    assert _snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_listed_file_behind_a_symlinked_folder_is_never_deleted_or_written(tmp_path, overwrite):
     """``sub`` was replaced by a link to a folder outside: neither the old file there nor the new one is touched."""
@@ -385,7 +399,7 @@ import resource, signal, sys
 from pathlib import Path
 from depthfusion_hf.safe_folder import write_folder
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
-resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
 def write(staging):
     (staging / "small.txt").write_text("fits")
     (staging / "model.safetensors").write_bytes(b"x" * 100_000)
@@ -396,11 +410,12 @@ except OSError as error:
 """
 
 
-def test_a_real_file_size_limit_mid_export_keeps_the_old_export(tmp_path):
+@pytest.mark.parametrize("limit", [0, 4096])  # 0: already the staging folder's marker does not fit
+def test_a_real_file_size_limit_mid_export_keeps_the_old_export(tmp_path, limit):
     target = write_folder(tmp_path / "out", _writer({"model.safetensors": "good weights"}))
     before = _snapshot(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", FSIZE_CHILD, str(target)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", FSIZE_CHILD, str(target), str(limit)], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ERROR" in proc.stdout and "disk is full" in proc.stdout and "was not changed" in proc.stdout
     assert _snapshot(tmp_path) == before

@@ -72,7 +72,7 @@ def load_documents(
     """
     if files is not None:
         if isinstance(files, str | os.PathLike):
-            raise TypeError(f"files must be a list of paths; got the single path {str(files)!r} (write [path])")
+            raise ValueError(f"files must be a list of paths; got the single path {str(files)!r} (write [path])")
         if not files:
             raise ValueError("files is an empty list: give at least one data file (or files=None for a dataset)")
         if dataset not in (None, BUILTIN_CORPUS):
