@@ -115,7 +115,8 @@ SPECIAL = dict(bos_token_id=1, eos_token_id=[2, 7], pad_token_id=0)
 
 def llama_with_settings(dtype: torch.dtype) -> LlamaForCausalLM:
     llama = LlamaForCausalLM(LlamaConfig(**(TINY_DECODER | SPECIAL))).to(dtype)
-    llama.generation_config = GenerationConfig(**SPECIAL, repetition_penalty=1.3, max_new_tokens=9, do_sample=True, top_k=7)
+    llama.generation_config = GenerationConfig(**SPECIAL, repetition_penalty=1.3, max_new_tokens=9, do_sample=True,
+                                               top_k=7)
     return llama.eval()
 
 
