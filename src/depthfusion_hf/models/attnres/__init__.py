@@ -4,11 +4,5 @@ from .attnres import attention_residual
 from .configuration_attnres import AttnResConfig
 from .modeling_attnres import AttnResForCausalLM, AttnResMix, AttnResModel, AttnResPreTrainedModel
 
-__all__ = [
-    "AttnResConfig",
-    "AttnResForCausalLM",
-    "AttnResMix",
-    "AttnResModel",
-    "AttnResPreTrainedModel",
-    "attention_residual",
-]
+__all__ = ["AttnResConfig", "AttnResForCausalLM", "AttnResMix", "AttnResModel", "AttnResPreTrainedModel",
+           "attention_residual"]

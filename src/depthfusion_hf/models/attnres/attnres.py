@@ -140,11 +140,7 @@ def _floating(name: str, x: object) -> torch.Tensor:
 
 
 def check_attnres_inputs(query, sources: Sequence, key_norm_weight, eps, return_weights) -> set[torch.dtype]:
-    """Validate the op's inputs (cheaply: no host synchronisation); return the set of their dtypes.
-
-    Raises:
-        ValueError: naming the argument and the allowed values.
-    """
+    """Validate the op's inputs (cheaply: no host sync); return their dtypes. Raises ValueError naming the problem."""
     if len(sources) == 0:
         raise ValueError("sources must hold at least one tensor (N >= 1)")
     first = _floating("sources[0]", sources[0])
@@ -179,13 +175,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def attnres_reference(query, sources, key_norm_weight, eps):
-    """The paper's formula, a loop over sources in the accumulation dtype; autograd differentiates it.
-
-    Args:
-        query: [D]. sources: N tensors [B, T, D]. key_norm_weight: [D] (one dtype, as the dispatcher casts).
-        eps: RMSNorm epsilon.
-    Returns:
-        ``(h, alpha)``: h [B, T, D] in the sources' dtype, alpha [B, T, N] in the accumulation dtype.
+    """The paper's formula, a loop over the sources (query [D], N sources [B, T, D], key_norm_weight [D]) in the
+    accumulation dtype; autograd differentiates it. Returns ``(h [B, T, D] in the sources' dtype, alpha [B, T, N])``.
     """
     acc = accumulation_dtype(sources[0].dtype)
     w, g = query.to(acc), key_norm_weight.to(acc)
@@ -304,19 +295,17 @@ def attention_residual(
     ``query``, ``key_norm_weight`` and every source (second order on the reference and torch backends).
 
     Args:
-        query: [D], the pseudo-query ``w`` of this call (any floating dtype).
-        sources: a sequence of N >= 1 tensors [B, T, D] (one shape and device, floating dtypes, any
+        query: [D], the pseudo-query ``w``. key_norm_weight: [D], the keys' RMSNorm weight ``g``.
+        sources: N >= 1 tensors [B, T, D] (a list or tuple; one shape and device; any floating dtypes and
             strides), or one tensor [N, B, T, D].
-        key_norm_weight: [D], the RMSNorm weight ``g`` applied to the keys (any floating dtype).
-        eps: the RMSNorm epsilon (positive).
-        return_weights: also return the softmax weights.
+        eps: the RMSNorm epsilon (positive). return_weights: also return the softmax weights.
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (:func:`resolve_backend`).
     Returns:
-        h [B, T, D] in the compute dtype; with ``return_weights`` also alpha [B, T, N] in float32 (float64
-        for float64 work), rows summing to 1.
+        h [B, T, D] in the compute dtype; with ``return_weights`` also alpha [B, T, N] (float32, float64 for
+        float64 work), rows summing to 1.
     Raises:
-        ValueError: when a shape, dtype or device does not fit (the message names the argument and the
-            allowed values), ``eps`` is not positive, or the backend is unknown or unavailable.
+        ValueError: an input that does not fit (naming the argument and the allowed values), or a backend
+            unknown or unavailable.
     """
     if isinstance(sources, torch.Tensor) and sources.dim() == 4:
         sources = sources.unbind(0)

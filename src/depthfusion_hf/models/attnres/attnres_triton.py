@@ -1,30 +1,28 @@
 """Fused Triton kernels for Attention Residuals: the formulas of ``attnres.py``'s docstring, per token.
 
-**Launches.** The sources are kernel *arguments*: up to ``SOURCES_PER_LAUNCH`` pointers per launch
-(``x0..x7``; unused slots repeat ``x0``; the count ``N_CHUNK`` is a compile-time constant), launches chained
-for more. Nothing is built on the host per call (no table of ``data_ptr()``s), so the launches can be
-captured in a CUDA graph and traced by dynamo, and each pointer keeps its alignment specialisation (vector
-loads). Launches run under the tensors' device (``torch.cuda.device``) on its current stream. Each program
-owns ``BLOCK_T`` tokens and whole rows of ``D`` (``BLOCK_D = next_pow2(D)``): a logit needs the full row.
+**Launches.** The sources are kernel *arguments*: up to ``SOURCES_PER_LAUNCH`` pointers per launch (``x0..x7``;
+unused slots repeat ``x0``; the count ``N_CHUNK`` is a compile-time constant), chained for more. Nothing is built
+on the host per call (no table of ``data_ptr()``s), so launches can be captured in a CUDA graph and traced by
+dynamo, and each pointer keeps its alignment specialisation (vector loads). Launches run under the tensors' device
+(``torch.cuda.device``), on its current stream. A program owns ``BLOCK_T`` tokens and whole rows of ``D``.
 
-- forward (:func:`attnres_fwd_kernel`): per source one read of its row gives ``p_i`` and ``r_i`` (stored
-  [M, N] fp32) and one step of an online softmax (running max, running sum, fp32 accumulator); a chained
-  launch carries those three through fp32 buffers and the last writes h and the log-sum-exp. The caller forms
-  ``alpha = exp(p r - lse)``.
-- backward: :func:`attnres_dots_kernel` writes ``dalpha_i = dh . v_i`` [M, N]; the caller forms ``ds``,
-  ``b``, ``e`` ([M, N] fp32); :func:`attnres_grads_kernel` writes ``dv_i = alpha_i dh + b_i u + e_i v_i`` and
-  its program's partial ``du = sum b_i v_i`` (a fixed grid looping over token tiles, each program adding into
-  its row of a [programs, D] fp32 buffer, summed in a fixed order afterwards: deterministic, no atomics).
+- forward (:func:`attnres_fwd_kernel`): one read of each source row gives ``p_i``, ``r_i`` ([M, N] fp32) and a
+  step of an online softmax (running max, sum, fp32 accumulator, carried through fp32 buffers between chained
+  launches); the last launch writes h and the log-sum-exp. The caller forms ``alpha = exp(p r - lse)``.
+- backward: :func:`attnres_dots_kernel` writes ``dalpha_i = dh . v_i`` [M, N]; the caller forms ``b``, ``e``
+  ([M, N] fp32); :func:`attnres_grads_kernel` writes ``dv_i = alpha_i dh + b_i u + e_i v_i`` and its program's
+  partial ``du = sum b_i v_i`` (a fixed grid over token tiles, each program adding into its row of a
+  [programs, D] buffer summed in a fixed order: deterministic, no atomics).
 
 Traffic per token, in rows of D: forward ``N + 1`` (+ 2 per chained launch), backward ``3N + 2``. Offsets are
-64-bit (token index times D or N); grids are one-dimensional (axis 0 allows 2^31 - 1 programs). Every input
-is in one dtype (fp32, bf16 or fp16: the dispatcher casts to the compute dtype; the launcher checks); the
-arithmetic is fp32 (elementwise FMAs and row sums: no tensor-core product, so TF32 never applies). The
-backward is first-order: under ``create_graph=True`` it raises a RuntimeError.
+64-bit (token index times D or N); grids are one-dimensional (axis 0: up to 2^31 - 1 programs). Every input is
+in one dtype (fp32, bf16 or fp16: the dispatcher casts to the compute dtype; the launcher checks); arithmetic is
+fp32 (elementwise FMAs and row sums: no tensor-core product, so TF32 never applies). The backward is
+first-order: under ``create_graph=True`` it raises a RuntimeError.
 
-Triton is optional: it is imported inside ``try/except`` so that this file (copied next to the model code for
-``trust_remote_code`` loading) imports everywhere. Without a GPU the kernels run under ``TRITON_INTERPRET=1``,
-which must be set before this module is imported. This module never imports the dispatcher (``attnres.py``).
+Triton is imported inside ``try/except`` so that this file (copied next to the model code for remote code)
+imports everywhere. Without a GPU the kernels run under ``TRITON_INTERPRET=1``, set before this module is
+imported. This module never imports the dispatcher (``attnres.py``).
 """
 
 import contextlib
@@ -80,22 +78,8 @@ if triton is not None:
     @triton.jit
     def _pick(i: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7):
         """Pointer argument ``i`` of a launch (``i`` is a compile-time constant: no selection at run time)."""
-        x = x0
-        if i == 1:
-            x = x1
-        if i == 2:
-            x = x2
-        if i == 3:
-            x = x3
-        if i == 4:
-            x = x4
-        if i == 5:
-            x = x5
-        if i == 6:
-            x = x6
-        if i == 7:
-            x = x7
-        return x
+        return (x0 if i == 0 else x1 if i == 1 else x2 if i == 2 else x3 if i == 3 else
+                x4 if i == 4 else x5 if i == 5 else x6 if i == 6 else x7)
 
     @triton.jit
     def attnres_fwd_kernel(
@@ -237,11 +221,9 @@ def _check(query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: to
         raise ValueError("the Triton attention_residual needs sources of one dtype, shape and device (the dispatcher "
                          f"casts them to the compute dtype); got {[(x.dtype, tuple(x.shape)) for x in sources]}")
     if first.dtype not in SUPPORTED_DTYPES or torch.float64 in (query.dtype, key_norm_weight.dtype):
-        raise ValueError(
-            f"the Triton attention_residual computes in fp32 and supports sources in {SUPPORTED_DTYPES} with "
-            f"non-float64 query and key_norm_weight; got {first.dtype}, {query.dtype}, {key_norm_weight.dtype} "
-            "(use backend='torch')"
-        )
+        raise ValueError(f"the Triton attention_residual computes in fp32 and supports sources in {SUPPORTED_DTYPES} "
+                         f"with non-float64 query and key_norm_weight; got {first.dtype}, {query.dtype}, "
+                         f"{key_norm_weight.dtype} (use backend='torch')")
     if first.shape[-1] > MAX_DIM:
         raise ValueError(f"the Triton attention_residual supports D <= {MAX_DIM}; got D={first.shape[-1]}")
     if first.device.type != "cuda" and not _INTERPRET:
@@ -311,9 +293,8 @@ class _TritonAttentionResidual(torch.autograd.Function):
         b = alpha * (d_alpha - (alpha * d_alpha).sum(dim=1, keepdim=True)) * r
         e = b * p * r.square() / -dim
         dxs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_src)] if need_dx else xs
-        sms = 0 if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
-        cap = INTERPRET_MAX_PROGRAMS if _INTERPRET else 4 * sms
-        programs = max(1, min(num_tiles, cap))
+        cap = INTERPRET_MAX_PROGRAMS if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
+        programs = max(1, min(num_tiles, cap if _INTERPRET else 4 * cap))
         du_partial = torch.zeros((programs, dim), dtype=torch.float32, device=device)
         u = (query.float() * key_norm_weight.float()).contiguous()
         with _on(device):

@@ -1,21 +1,14 @@
 """AttnRes: a Llama decoder whose residual sums are Attention Residuals (Kimi Team, arXiv 2603.15031).
 
-Sub-layers l = 1..2L (each attention and each MLP) write outputs v_l; v_0 = the token embedding. A Llama feeds
-sub-layer l with h_l = v_0 + sum_{i<l} v_i. AttnRes replaces that sum, per token (the op: ``attnres.py``):
-
-    h_l = sum_i alpha_{i,l} s_i,   alpha_{:,l} = softmax_i( w_l . RMSNorm_l(s_i) )   (fp32 softmax)
-    v_l = f_l(norm_l(h_l))                      (f_l: the Llama attention or MLP, with its own norm)
-    logits = lm_head(norm(h_final)),            h_final: one more AttnRes call over all sources
-
-The sources s_i (the *depth state*) are, for block AttnRes with blocks of S sub-layers, the embedding, the sums
-of the finished blocks and the running sum of the current block; full AttnRes is S = 1 (every v_i). After
-sub-layer l the state appends v_l (l starts a block) or adds v_l to its last entry; nothing else is kept.
-
-Each call owns a pseudo-query w (zero at init: a uniform average) and a key-norm weight (ones). Sub-layer 1 reads
-v_0 alone, so its call is the identity and is not materialised; decoder layer i owns the call feeding its MLP
-(``mlp_res``) and the one forming its output (``output_res``: the next layer's input, or h_final after the last
-layer). Everything else is transformers' Llama, under its Llama names (``convert.llama_to_attnres`` copies a
-Llama's weights). AttnRes is per token, so cached decoding needs only the ordinary KV cache.
+Sub-layers l = 1..2L (each attention and each MLP) write outputs v_l; v_0 = the token embedding. Where a Llama
+feeds sub-layer l with h_l = v_0 + sum_{i<l} v_i, AttnRes feeds it one call of the op (``attnres.py``) over the
+*depth state*, per token: h_l = sum_i softmax_i(w_l . RMSNorm_l(s_i)) s_i; logits = lm_head(norm(h_final)), h_final
+one more call over all sources. With blocks of S sub-layers (block AttnRes; full AttnRes is S = 1) the state is
+the embedding, the finished blocks' sums and the current block's running sum: after sub-layer l it appends v_l
+(l starts a block) or adds v_l to its last entry. Sub-layer 1 reads v_0 alone (its call is the identity, not
+materialised); layer i owns the calls feeding its MLP (``mlp_res``) and forming its output (``output_res``: the
+next layer's input, or h_final). Everything else is transformers' Llama under its Llama names, and decoding needs
+only the ordinary KV cache (AttnRes mixes one token's own states).
 """
 
 from dataclasses import dataclass
@@ -81,50 +74,6 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
             f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
             f"max {int(input_ids.max())}"
         )
-
-
-# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.prepare_decoder_inputs
-def prepare_decoder_inputs(
-    model: nn.Module,
-    input_ids: torch.LongTensor | None,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.LongTensor | None,
-    cache: Cache | None,
-    inputs_embeds: torch.Tensor | None,
-    use_cache: bool | None,
-) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
-    """The Llama decoder preamble shared by the family models: check and embed the tokens, make the cache,
-    positions, causal mask and rotary embeddings.
-
-    Args:
-        model: the decoder (with ``config``, ``embed_tokens`` and ``rotary_emb``).
-        input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
-        attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
-        position_ids: [B, T]; by default continue from the cache length.
-        cache: a transformers ``Cache``; a ``DynamicCache`` is made when none is given and ``use_cache``.
-    Returns:
-        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, the causal mask for the layers,
-        the rotary (cos, sin), each [B or 1, T, head_dim]).
-    """
-    check_token_inputs(input_ids, inputs_embeds, model.config.vocab_size)
-    if inputs_embeds is None:
-        inputs_embeds = model.embed_tokens(input_ids)  # (B, T, D)
-    if use_cache and cache is None:
-        cache = DynamicCache(config=model.config)
-    if position_ids is None:
-        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-        position_ids = position_ids.unsqueeze(0)
-
-    causal_mask = create_causal_mask(
-        config=model.config,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        cache=cache,
-        position_ids=position_ids,
-    )
-    position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
-    return inputs_embeds, position_ids, cache, causal_mask, position_embeddings
 
 
 class AttnResMix(nn.Module):
@@ -221,17 +170,15 @@ class AttnResPreTrainedModel(LlamaPreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if isinstance(module, AttnResMix):
-            # The paper's init: zero pseudo-queries (uniform averaging), unit key-norm weights. init.* leaves
-            # parameters loaded from a checkpoint untouched.
+            # the paper's: uniform averaging (init.* leaves parameters loaded from a checkpoint untouched)
             init.zeros_(module.query)
             init.ones_(module.key_norm_weight)
 
 
 @dataclass
 class AttnResModelOutputWithPast(BaseModelOutputWithPast):
-    """``BaseModelOutputWithPast`` plus ``depth_weights``: with ``output_depth_weights=True``, one float32
-    tensor [B, T, N_c] per AttnRes call c (sub-layers 2..2L, then the final call), the softmax over its sources.
-    """
+    """``BaseModelOutputWithPast`` plus ``depth_weights`` (``output_depth_weights=True``): one float32 tensor
+    [B, T, N_c] per AttnRes call c (sub-layers 2..2L, then the final call), its softmax over its sources."""
 
     depth_weights: tuple[torch.Tensor, ...] | None = None
 
@@ -239,19 +186,15 @@ class AttnResModelOutputWithPast(BaseModelOutputWithPast):
 class AttnResModel(AttnResPreTrainedModel):
     """The AttnRes decoder stack: embeddings, Llama layers joined by Attention Residuals, final norm.
 
-    Returns ``AttnResModelOutputWithPast`` whose ``last_hidden_state`` is ``norm(h_final)``: [B, T, D].
-    With ``output_hidden_states=True`` entry 0 is the embedding and entry i the output of layer i (the
-    input of layer i + 1), as for Llama; the last entry is ``last_hidden_state``.
-    """
+    ``last_hidden_state`` is ``norm(h_final)`` [B, T, D]; ``hidden_states`` as for Llama (the embedding, then each
+    layer's output, the next layer's input; the last entry replaced by ``last_hidden_state``)."""
 
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([AttnResDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -271,19 +214,20 @@ class AttnResModel(AttnResPreTrainedModel):
         output_depth_weights: bool = False,
         **kwargs: Unpack[TransformersKwargs],
     ) -> AttnResModelOutputWithPast:
-        """Run the decoder.
-
-        Args:
-            input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
-            attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
-            position_ids: [B, T]; by default continue from the cache length.
-            cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
-            use_cache: build a ``DynamicCache`` when none is given.
-            output_depth_weights: also return every AttnRes call's softmax weights (``depth_weights``).
-        """
-        inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
-            self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
-        )
+        """Run the decoder: Llama's arguments (``cache``; ``past_key_values`` is a deprecated alias), and
+        ``output_depth_weights``: also return every AttnRes call's softmax weights (``depth_weights``)."""
+        check_token_inputs(input_ids, inputs_embeds, self.config.vocab_size)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+        causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                         cache=cache, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         backend = resolve_backend(None, inputs_embeds.device, self.config.op_backend)  # once per forward
         # Differs from Llama: the depth state starts as (v_0,); sub-layer 1's AttnRes over it is v_0 itself.
         hidden_states, sources = inputs_embeds, (inputs_embeds,)
@@ -303,19 +247,14 @@ class AttnResModel(AttnResPreTrainedModel):
 
     @torch.no_grad()
     def depth_attention_weights(
-        self,
-        input_ids: torch.LongTensor,
-        attention_mask: torch.Tensor | None = None,
-        per_token: bool = False,
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, per_token: bool = False
     ) -> torch.Tensor:
         """Every AttnRes call's softmax over its sources, averaged over the real tokens of a batch.
 
-        Row c is the call feeding sub-layer c + 1 (rows 0..2L-1: sub-layers 1..2L, alternating attention and
-        MLP of layers 1..L) and row 2L is the final call before the final norm. Column i is source i: the
-        embedding (0) and the sub-layer outputs v_i (full AttnRes) or the block sums b_i, the last column
-        of a row being the running sum of the current block (block AttnRes). Row 0 is ``[1, 0, ..]``
-        (sub-layer 1 reads the embedding alone). Entries a call does not have are 0 (softmax weights are
-        positive, so a 0 means "not a source"); every row sums to 1.
+        Row c is the call feeding sub-layer c + 1 (rows 0..2L-1: attention and MLP of layers 1..L; row 2L the
+        final call). Column i is source i: the embedding (0), then v_i (full) or b_i (block; a row's last column
+        is the current block's running sum). Row 0 is ``[1, 0, ..]``; entries a call does not have are 0; every
+        row sums to 1.
 
         Args:
             input_ids: [B, T] token ids.
@@ -346,8 +285,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, LlamaForCausalLM):
-    """AttnRes with a language-modelling head: ``LlamaForCausalLM`` (its forward, generation, tied weights and
-    parallelism plans) over an :class:`AttnResModel`.
+    """``LlamaForCausalLM`` (forward, generation, tied weights, parallelism plans) over an :class:`AttnResModel`.
 
     Example:
         >>> from depthfusion_hf import AttnResConfig, AttnResForCausalLM
@@ -373,11 +311,5 @@ class AttnResForCausalLM(AttnResPreTrainedModel, LlamaForCausalLM):
         return self.model.depth_attention_weights(input_ids, attention_mask=attention_mask, per_token=per_token)
 
 
-__all__ = [
-    "AttnResDecoderLayer",
-    "AttnResForCausalLM",
-    "AttnResMix",
-    "AttnResModel",
-    "AttnResModelOutputWithPast",
-    "AttnResPreTrainedModel",
-]
+__all__ = ["AttnResDecoderLayer", "AttnResForCausalLM", "AttnResMix", "AttnResModel", "AttnResModelOutputWithPast",
+           "AttnResPreTrainedModel"]
