@@ -1,0 +1,39 @@
+"""MoDA (FFN-side K/V on and off, post-norm) through transformers' common suite and our generation tests."""
+
+import unittest
+
+from depthfusion_hf.models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
+
+from .generation_mixin import GenerationTesterMixin
+from .testers import CausalLMModelTest, DecoderModelTester
+from .upstream import load
+
+modeling_common, configuration_common = load()
+
+
+class MoDAModelTester(DecoderModelTester):
+    config_class = MoDAConfig
+    base_model_class = MoDAModel
+    causal_lm_class = MoDAForCausalLM
+
+
+class MoDANoFFNKVModelTester(MoDAModelTester):
+    family_options = {"moda_ffn_kv": False}
+
+
+class MoDAPostNormModelTester(MoDAModelTester):
+    family_options = {"norm_position": "post"}
+
+
+class MoDAModelTest(CausalLMModelTest, modeling_common.ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+    model_tester_class = MoDAModelTester
+    config_tester_class = configuration_common.ConfigTester
+    test_can_init_all_missing_weights_before_2023 = True
+
+
+class MoDANoFFNKVModelTest(MoDAModelTest):
+    model_tester_class = MoDANoFFNKVModelTester
+
+
+class MoDAPostNormModelTest(MoDAModelTest):
+    model_tester_class = MoDAPostNormModelTester
