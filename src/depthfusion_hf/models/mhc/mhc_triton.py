@@ -18,7 +18,8 @@ backward (first order; a backward with ``create_graph=True`` raises a RuntimeErr
   through the sigmoids, the Sinkhorn loop (each step's input recomputed from the softmax: O(iters^2) steps on
   [NP, NP] tiles, no stored iterates) and the softmax: ``dp = rstd * dm`` [N, R], the norm's coefficient ``c`` [N],
   and per-block partial sums of the gradients of ``base`` and ``scale``.
-- :func:`hc_input_bwd_kernel` (per token block and K chunk): ``dX = dp fn + c x + pre ⊗ g`` (``tl.dot``).
+- :func:`hc_input_bwd_kernel` (per token block and K chunk): ``dX = dp fn + c x + pre ⊗ g`` (``tl.dot`` over R
+  in chunks).
 - :func:`hc_fn_bwd_kernel` (per K chunk and token split): partial ``dfn = dp^T x``, summed over the splits.
 
 hyper_mix: :func:`mix_fwd_kernel` and :func:`mix_bwd_kernel` (per token block and D chunk; the streams and the
@@ -58,8 +59,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # The streams' dtypes the kernels read (fp32 arithmetic); the dispatchers send float64 work to PyTorch.
 MHC_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The most streams the kernels take (their [NP, NP] tiles live in registers); more go to PyTorch.
-TRITON_MAX_STREAMS = 16
+# The most streams the kernels take (their [NP, NP] tiles and [R, BLOCK_K] projection tiles live in registers: with
+# more, the projection kernels spill on sm_80 / sm_90); more go to PyTorch.
+TRITON_MAX_STREAMS = 8
 
 
 # Copied from depthfusion_hf.models.denseformer.dwa_triton.dwa_triton_forward_backward_available with _forward_backward->, dwa_->mhc_  # noqa: E501
@@ -138,11 +140,11 @@ if triton is not None:
         """The gradient of :func:`_sinkhorn_step`'s input ``b_c`` given its output's gradient ``b_g``:
         ``out = c / s``, ``dc = (g - sum(g out)) / s`` along the normalised axis."""
         if step % 2 == 0:
-            b_s = tl.sum(b_c, axis=1)[:, None, :] + eps
-            b_dc = (b_g - tl.sum(b_g * (b_c / b_s), axis=1)[:, None, :]) / b_s
+            b_column = tl.sum(b_c, axis=1)[:, None, :] + eps  # (BLOCK_T, 1, NP)
+            b_dc = (b_g - tl.sum(b_g * (b_c / b_column), axis=1)[:, None, :]) / b_column
         else:
-            b_s = tl.sum(b_c, axis=2)[:, :, None] + eps
-            b_dc = (b_g - tl.sum(b_g * (b_c / b_s), axis=2)[:, :, None]) / b_s
+            b_row = tl.sum(b_c, axis=2)[:, :, None] + eps  # (BLOCK_T, NP, 1)
+            b_dc = (b_g - tl.sum(b_g * (b_c / b_row), axis=2)[:, :, None]) / b_row
         return b_dc
 
     @triton.jit
@@ -247,19 +249,22 @@ if triton is not None:
     @triton.jit
     def hc_input_bwd_kernel(p_dp, p_fn, p_coef, p_x, p_pre, p_gy, p_dx, N, D, R, stride_x,
                             NS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-        """``dx[t, k] = sum_r dp[t, r] fn[r, k] + coef[t] x[t, k] + pre[t, k // D] gy[t, k % D]``, k = j D + d."""
+        """``dx[t, k] = sum_r dp[t, r] fn[r, k] + coef[t] x[t, k] + pre[t, k // D] gy[t, k % D]``, k = j D + d
+        (the rows r in chunks of ``BLOCK_R``)."""
         K = NS * D
         o_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         m_t = o_t < N
         o_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         m_k = o_k < K
-        o_r = tl.arange(0, BLOCK_R)
-        m_r = o_r < R
         m_tk = m_t[:, None] & m_k[None, :]
-        b_dp = tl.load(p_dp + o_t[:, None] * R + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
-        b_fn = tl.load(p_fn + o_r[:, None].to(tl.int64) * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
-                       other=0.0).to(tl.float32)
-        b_dx = tl.dot(b_dp, b_fn, input_precision="ieee")  # (BLOCK_T, BLOCK_K)
+        b_dx = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            o_r = r0 + tl.arange(0, BLOCK_R)
+            m_r = o_r < R
+            b_dp = tl.load(p_dp + o_t[:, None] * R + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
+            b_fn = tl.load(p_fn + o_r[:, None].to(tl.int64) * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
+                           other=0.0).to(tl.float32)
+            b_dx = tl.dot(b_dp, b_fn, b_dx, input_precision="ieee")  # (BLOCK_T, BLOCK_K)
         b_x = tl.load(p_x + o_t[:, None] * stride_x + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_coef = tl.load(p_coef + o_t, mask=m_t, other=0.0)
         b_pre = tl.load(p_pre + o_t[:, None] * NS + (o_k // D)[None, :], mask=m_tk, other=0.0)
@@ -358,6 +363,14 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return rows if rows.stride(1) == 1 or width == 1 else rows.contiguous()
 
 
+def _projection_blocks(rows: int) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_K)`` of the projection kernels: the rows padded to a power of two (>= 16, tl.dot's
+    minimum) and a K chunk keeping a [BLOCK_R, BLOCK_K] tile at 2048 entries: no spills on sm_80 / sm_90 up to
+    R = 80 (n = 8; checked by tests/mhc/test_triton_aot.py; BLOCK_K = 64 at BLOCK_R = 16 spilled on sm_90)."""
+    block_r = max(16, triton.next_power_of_2(rows))
+    return block_r, max(16, min(128, 2048 // block_r))
+
+
 def _powers(n: int) -> tuple[int, int]:
     """``(NP, BLOCK_T)`` of the per-token tile kernels: n padded to a power of two, and tokens per program
     (about 256 tile entries per program)."""
@@ -388,11 +401,11 @@ class _HyperConnectionTriton(torch.autograd.Function):
         post = torch.empty(num, n, device=device, dtype=torch.float32)
         comb = torch.empty(num, n, n, device=device, dtype=torch.float32)
         y = torch.empty(num, dim, device=device, dtype=streams.dtype)
-        block_r = max(16, triton.next_power_of_2(rows))
+        block_r, block_k = _projection_blocks(rows)
         padded, block_t = _powers(n)
         with on_device(device):
             hc_project_kernel[(triton.cdiv(num, 16),)](x, fn_c, m, rstd, num, width, rows, x.stride(0), norm_eps,
-                                                       BLOCK_T=16, BLOCK_K=64, BLOCK_R=block_r)
+                                                       BLOCK_T=16, BLOCK_K=block_k, BLOCK_R=block_r)
             hc_weights_kernel[(triton.cdiv(num, block_t),)](
                 m, base_c, scale_c, x, pre, post, comb, y, num, dim, x.stride(0), eps, iters,
                 NS=n, NP=padded, HEAD=head, BLOCK_T=block_t, BLOCK_D=64)
@@ -421,7 +434,7 @@ class _HyperConnectionTriton(torch.autograd.Function):
         coef = torch.empty(num, device=device, dtype=torch.float32)
         d_base = torch.zeros(blocks, rows, device=device, dtype=torch.float32)
         d_scale = torch.zeros(blocks, scale.numel(), device=device, dtype=torch.float32)
-        block_r = max(16, triton.next_power_of_2(rows))
+        block_r, block_k = _projection_blocks(rows)
         d_x = d_fn = None
         with on_device(device):
             hc_weights_bwd_kernel[(blocks,)](m, base, scale, rstd, x, g_y, g_post, g_comb, d_p, coef, d_base,
@@ -431,15 +444,15 @@ class _HyperConnectionTriton(torch.autograd.Function):
                 d_x = torch.empty(num, width, device=device, dtype=x.dtype)
                 hc_input_bwd_kernel[(triton.cdiv(num, 16), triton.cdiv(width, 64))](
                     d_p, fn, coef, x, pre, g_y, d_x, num, dim, rows, x.stride(0), NS=n, BLOCK_T=16, BLOCK_K=64,
-                    BLOCK_R=block_r)
+                    BLOCK_R=min(block_r, 32))
                 d_x = d_x.view(shape)
             if ctx.needs_input_grad[1]:
-                k_blocks = triton.cdiv(width, 64)
+                k_blocks = triton.cdiv(width, block_k)
                 splits = max(1, min(triton.cdiv(num, 64), 2 if _INTERPRET else triton.cdiv(512, k_blocks)))
                 per_split = triton.cdiv(triton.cdiv(num, splits), 16) * 16
                 part = torch.empty(splits, rows, width, device=device, dtype=torch.float32)
                 hc_fn_bwd_kernel[(k_blocks, splits)](d_p, x, part, num, width, rows, x.stride(0), per_split,
-                                                     BLOCK_T=16, BLOCK_K=64, BLOCK_R=block_r)
+                                                     BLOCK_T=16, BLOCK_K=block_k, BLOCK_R=block_r)
                 d_fn = part.sum(0).to(fn.dtype)
         return d_x, d_fn, d_base.sum(0).to(base.dtype), d_scale.sum(0).to(scale.dtype), None, None, None, None
 
@@ -447,7 +460,7 @@ class _HyperConnectionTriton(torch.autograd.Function):
 def triton_hyper_connection(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                             iters: int, eps: float, norm_eps: float, head: bool):
     """The Triton backend of ``hyper_connection`` (``(post, comb, collapsed)``) or ``hyper_head`` (``collapsed``);
-    inputs validated and routed by the dispatchers (fp32 weight arithmetic, a kernel dtype, n <= 16)."""
+    inputs validated and routed by the dispatchers (fp32 weight arithmetic, a kernel dtype, n <= 8)."""
     return _HyperConnectionTriton.apply(streams, fn, base, scale, iters, eps, norm_eps, head)
 
 

@@ -409,6 +409,54 @@ class MHCForCausalLM(MHCPreTrainedModel, LlamaForCausalLM):
         return self.model.hyper_connection_weights(input_ids, attention_mask)
 
 
+@torch.no_grad()
+def init_as_residual(model: MHCPreTrainedModel, post_spread: float = 0.5) -> None:
+    """Set every hyper-connection so that the streams carry a plain pre-norm residual: the Llama initialisation.
+
+    ``fn = 0`` (the weights are the same for every token) and ``scale = 1``; ``pre`` (and the head's) ``= 1/n``
+    (``base = logit(1/n - eps)``); ``comb`` uniform (``base = 0``), whose Sinkhorn result has every row sum equal,
+    rho = 1 - O(eps); at sub-layer s (0-based over the 2L attention and MLP sub-layers) ``post_k = rho^(s+1) (1 +
+    post_spread t_k)`` with ``t`` evenly spaced in [-1, 1]. Sub-layer s then updates its successor's input as
+    ``u' = mean(post) f + rho u``, so every sub-layer reads ``rho^s`` times the Llama's residual stream, which the
+    pre-norms and the final norm read back up to their epsilon: the logits are the Llama's up to that epsilon and
+    rounding (docs/MHC.md). ``post_spread = 0`` keeps the n streams equal;
+    they then stay equal under training (the gradients are symmetric in them too), so the default spreads them.
+
+    Args:
+        model: an ``MHCModel`` or ``MHCForCausalLM``.
+        post_spread: in [0, 1); the relative spread of ``post`` over the streams.
+    Raises:
+        ValueError: ``post_spread`` outside [0, 1), or ``hc_eps >= 1 / hc_mult`` (``pre = 1/n`` is then out of
+            reach: ``pre > eps``).
+    """
+    config = model.config
+    n, eps = config.hc_mult, config.hc_eps
+    if isinstance(post_spread, bool) or not isinstance(post_spread, (int, float)) or not 0 <= post_spread < 1:
+        raise ValueError(f"post_spread must be a number in [0, 1); got {post_spread!r}")
+    if eps >= 1 / n:
+        raise ValueError(f"hc_eps ({eps}) must be < 1 / hc_mult ({1 / n}) for pre = 1 / hc_mult")
+    # the Sinkhorn result of the uniform softmax (fn = 0, base = 0), through the reference, in float64
+    rows = (2 + n) * n
+    _, _, comb = hyper_connection_weights_reference(
+        torch.ones(1, 1, n, 1, dtype=torch.float64), torch.zeros(rows, n, dtype=torch.float64),
+        torch.zeros(rows, dtype=torch.float64), torch.ones(3, dtype=torch.float64), config.hc_sinkhorn_iters, eps,
+        config.rms_norm_eps)
+    rho = comb[0, 0].sum(-1).mean()
+    offsets = torch.linspace(-1, 1, n, dtype=torch.float64) if n > 1 else torch.zeros(1, dtype=torch.float64)
+    pre_logit = torch.logit(torch.tensor(1 / n - eps, dtype=torch.float64))
+    base_model = model.model if hasattr(model, "model") else model
+    connections = [c for layer in base_model.layers for c in (layer.attn_hc, layer.ffn_hc)]
+    for sublayer, connection in enumerate(connections):
+        post = rho ** (sublayer + 1) * (1 + post_spread * offsets)
+        connection.fn.zero_()
+        connection.base.copy_(torch.cat([pre_logit.expand(n), torch.logit(post / 2),
+                                         torch.zeros(n * n, dtype=torch.float64)]))
+        connection.scale.fill_(1.0)
+    base_model.hc_head.hc_fn.zero_()
+    base_model.hc_head.hc_base.fill_(pre_logit.item())
+    base_model.hc_head.hc_scale.fill_(1.0)
+
+
 __all__ = [
     "MHCDecoderLayer",
     "MHCForCausalLM",
@@ -416,4 +464,5 @@ __all__ = [
     "MHCHyperHead",
     "MHCModel",
     "MHCPreTrainedModel",
+    "init_as_residual",
 ]
