@@ -256,3 +256,60 @@ def llama_to_attnres(
 
 
 __all__ += ["llama_to_attnres"]
+
+
+def llama_to_mhc(
+    model_or_path: LlamaForCausalLM | str | os.PathLike,
+    hc_mult: int = 4,
+    hc_sinkhorn_iters: int = 20,
+    hc_eps: float = 1e-6,
+    post_spread: float = 0.5,
+    **load_kwargs,
+) -> torch.nn.Module:
+    """Convert a ``LlamaForCausalLM`` (object, folder or Hub id) into an ``MHCForCausalLM`` with ``hc_mult`` streams.
+
+    Every Llama weight is copied under the same name. The hyper-connections start as a plain residual
+    (``models.mhc.modeling_mhc.init_as_residual``): ``fn = 0`` and ``scale = 1``, ``pre = 1/n`` (the head's too), a
+    uniform ``comb`` (whose Sinkhorn result has all row sums equal to rho = 1 - O(eps)) and ``post`` spread around
+    ``rho^(s+1)`` at sub-layer s over the streams (``post_spread``; the streams must differ for training to tell
+    them apart). Then sub-layer s reads ``rho^s`` times the Llama's residual stream, which its pre-norm (and the
+    final norm) reads back up to the norm's epsilon: in exact arithmetic the converted model computes the Llama's
+    logits up to that epsilon, as close as the parametrisation allows (rho < 1 is forced by the Sinkhorn
+    denominators' eps, and compensated by ``post``). What remains is rounding: max |Δlogits| <= 2e-6 of the
+    logits' scale (max |logits|) in float32 and in float64, where it is the float32 rounding inside transformers'
+    LlamaRMSNorm (measured on random tiny Llamas: 6e-7 and 1.7e-7; with float64 norms and rms_norm_eps -> 0:
+    1e-12; tests/mhc/test_remote_code_and_convert.py, docs/MHC.md). The hyper-connection parameters are float32
+    (float64 for a float64 Llama) whatever the Llama's dtype.
+
+    Args:
+        model_or_path: the Llama model, or anything ``LlamaForCausalLM.from_pretrained`` accepts.
+        hc_mult: n >= 1, the number of streams.
+        hc_sinkhorn_iters: >= 1. hc_eps: > 0 and < 1 / hc_mult.
+        post_spread: in [0, 1), the relative spread of ``post`` over the streams (0: the streams stay equal).
+        load_kwargs: passed to ``from_pretrained`` when a path is given.
+    Returns:
+        An ``MHCForCausalLM`` on the Llama's device and dtype, in eval mode if the Llama was.
+    """
+    from .models.mhc import MHCConfig, MHCForCausalLM
+    from .models.mhc.modeling_mhc import MHCHyperConnection, MHCHyperHead, init_as_residual
+
+    llama = load_llama(model_or_path, **load_kwargs)
+    config = MHCConfig(**llama_config_fields(llama.config), hc_mult=hc_mult, hc_sinkhorn_iters=hc_sinkhorn_iters,
+                       hc_eps=hc_eps)
+    config._attn_implementation = llama.config._attn_implementation
+    model = MHCForCausalLM(config)
+    keep_llama_settings(llama, model)
+    hc_dtype = torch.float64 if next(llama.parameters()).dtype == torch.float64 else torch.float32
+    for module in model.modules():
+        if isinstance(module, (MHCHyperConnection, MHCHyperHead)):
+            module.to(hc_dtype)
+    new_keys = tuple(f"model.layers.{i}.{name}." for i in range(config.num_hidden_layers)
+                     for name in ("attn_hc", "ffn_hc")) + ("model.hc_head.",)
+    copy_llama_weights(llama, model, new_keys=new_keys)
+    init_as_residual(model, post_spread)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+__all__ += ["llama_to_mhc"]
