@@ -25,10 +25,11 @@ from transformers import (
     PreTrainedModel,
 )
 
-from . import convert, plotting, plotting_attnres
+from . import convert, plotting, plotting_attnres, plotting_mhc
 from .models.attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
 from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
 from .models.dwatt import DWAttConfig, DWAttForTokenClassification
+from .models.mhc import MHCConfig, MHCForCausalLM, MHCModel
 from .models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
 
 # An analysis plot: (trained model, output folder, one validation sequence [1, T], run label) -> file written.
@@ -191,6 +192,29 @@ def _attnres_card_values(model: PreTrainedModel) -> dict[str, Any]:
     )
 
 
+def _mhc_cli(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("mhc")
+    group.add_argument("--hc_mult", type=int, default=argparse.SUPPRESS, help="mHC: residual streams n (default 4)")
+    group.add_argument("--hc_sinkhorn_iters", type=int, default=argparse.SUPPRESS,
+                       help="mHC: Sinkhorn-Knopp iterations of comb (default 20)")
+    group.add_argument("--hc_eps", type=float, default=argparse.SUPPRESS, help="mHC: hc_eps (default 1e-6)")
+
+
+def _mhc_card_values(model: PreTrainedModel) -> dict[str, Any]:
+    config = model.config
+    layers, n = config.num_hidden_layers, config.hc_mult
+    hc_params = sum(p.numel() for name, p in model.named_parameters() if "_hc." in name or "hc_head." in name)
+    return _decoder_card_values(config) | dict(
+        hc_mult=n,
+        hc_sinkhorn_iters=config.hc_sinkhorn_iters,
+        hc_eps=config.hc_eps,
+        num_sublayers=2 * layers,
+        num_hc_params=f"{hc_params:,}",
+        weights_shape=f"[{layers}, 2, {n}]",
+        comb_shape=f"[{layers}, 2, {n}, {n}]",
+    )
+
+
 def _dwatt_card_values(model: PreTrainedModel) -> dict[str, Any]:
     config = model.config
     backbone = config.backbone_config
@@ -267,6 +291,23 @@ FAMILIES: Mapping[str, Family] = {
             config_kwargs=lambda args: _given(args, "attnres_block_size"),
             analysis_plot=plotting_attnres.plot_attnres_analysis,
             from_llama=convert.llama_to_attnres,
+        ),
+        Family(
+            model_type="mhc",
+            title="mHC",
+            config_class=MHCConfig,
+            task_model_class=MHCForCausalLM,
+            task_auto_class=AutoModelForCausalLM,
+            base_model_class=MHCModel,
+            pipeline_tag="text-generation",
+            card_template="mhc.md",
+            default_dataset="kjv",
+            variant_name=lambda config: f"mhc n{config.hc_mult}",
+            card_values=_mhc_card_values,
+            add_cli_options=_mhc_cli,
+            config_kwargs=lambda args: _given(args, "hc_mult", "hc_sinkhorn_iters", "hc_eps"),
+            analysis_plot=plotting_mhc.plot_mhc_analysis,
+            from_llama=convert.llama_to_mhc,
         ),
         Family(
             model_type="dwatt",
