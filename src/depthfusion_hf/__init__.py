@@ -11,6 +11,7 @@ from .families import FAMILIES, Family, get_family
 from .models.attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
 from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
 from .models.dwatt import DWAttConfig, DWAttForTokenClassification
+from .models.mhc import MHCConfig, MHCForCausalLM, MHCModel
 from .models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
 
 __version__ = "0.1.0"
@@ -41,4 +42,7 @@ __all__ = [
     "AttnResConfig",
     "AttnResForCausalLM",
     "AttnResModel",
+    "MHCConfig",
+    "MHCForCausalLM",
+    "MHCModel",
 ]
