@@ -6,6 +6,9 @@ this module only re-exports them.
 
 from .models.attnres.attnres import attention_residual
 from .models.denseformer.dwa import depth_weighted_average
+from .models.mhc.mhc_connection import hyper_connection, hyper_head
+from .models.mhc.mhc_mix import hyper_mix
 from .models.moda.moda_attention import moda_attention
 
-__all__ = ["attention_residual", "depth_weighted_average", "moda_attention"]
+__all__ = ["attention_residual", "depth_weighted_average", "hyper_connection", "hyper_head", "hyper_mix",
+           "moda_attention"]
