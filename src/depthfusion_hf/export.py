@@ -16,7 +16,7 @@ keeps the family tables that older code imported from here, now read from the fa
 from __future__ import annotations
 
 from .families import FAMILIES
-from .hub import export_model, push_folder_to_hub, validate_repo_id
+from .hub import export_model, push_folder_to_hub, upload_problems, validate_repo_id
 from .model_card import (
     build_model_card,
     clm_results,
@@ -34,7 +34,7 @@ from .remote_code import (
     save_model_folder,
     save_remote_code_folder,
 )
-from .safe_folder import MARKER, ExportTargetError, check_target
+from .safe_folder import MARKER, ExportTargetError, MarkerError, ReplacedEditedFilesWarning, check_target
 
 # Views of the family registry kept for older imports: model_type -> (task auto class, base model class or None)
 AUTO_CLASSES: dict[str, tuple[str, str | None]] = {
@@ -52,6 +52,8 @@ __all__ = [
     "PIPELINE_TAGS",
     "TOKENIZER_FILES",
     "ExportTargetError",
+    "MarkerError",
+    "ReplacedEditedFilesWarning",
     "build_model_card",
     "check_export_folder",
     "check_target",
@@ -67,5 +69,6 @@ __all__ = [
     "save_model_folder",
     "save_remote_code_folder",
     "split_front_matter",
+    "upload_problems",
     "validate_repo_id",
 ]
