@@ -354,9 +354,12 @@ def train_one(
     ``output_dir/final`` must be missing, empty or a previous export of this package (see
     ``remote_code.save_model_folder``); check it with ``safe_folder.check_target`` before training.
     ``trainer_class`` builds the trainer from ``model``, ``args``, ``train_dataset`` and ``eval_dataset`` keywords
-    (a ``DepthFusionTrainer`` subclass or a ``functools.partial`` adding callbacks; see ``recipes/study.py``).
+    (a ``DepthFusionTrainer`` subclass or a ``functools.partial`` adding callbacks; see ``recipes/study/``).
     ``analyse`` is called on the main process with the trained, unsharded model (under FSDP / DeepSpeed the
     gathered copy that is saved), e.g. for the family's analysis plot.
+    ``resume_from_checkpoint``: a complete checkpoint folder (see ``checkpoints.resolve_checkpoint``; ``True``
+    lets the Trainer pick one, without the completeness check). Every checkpoint written holds the tokenizer and
+    the model config; a save that fails on a full disk raises ``OSError(ENOSPC)`` naming the folder.
     """
     args = training_arguments(output_dir, settings)
     trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
