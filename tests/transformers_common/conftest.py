@@ -6,7 +6,7 @@ import torch
 # The markers transformers' test files use (its own pytest configuration registers them; ours must, or every use
 # warns). They only group tests upstream; nothing here selects by them.
 UPSTREAM_MARKERS = ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test",
-                    "torch_compile_test", "generate")
+                    "torch_compile_test", "generate", "slow")
 
 
 def pytest_configure(config):

@@ -62,6 +62,13 @@ class DWAttModelTest(TokenClassificationModelTest, modeling_common.ModelTesterMi
     config_tester_class = configuration_common.ConfigTester
     test_can_init_all_missing_weights_before_2023 = True
 
+    @unittest.skip(reason="DWAtt has no headless model by design: it is a fusion head over an encoder that AutoModel "
+                   "builds (families.py: base_model_class None), so MODEL_MAPPING has no DWAttConfig entry and this "
+                   "test has no base class to round-trip; the encoder's state dict is BERT's "
+                   "(BertTokenClassificationModelTest runs it)")
+    def test_torch_save_load(self):
+        pass
+
 
 class DWAttConcatModelTest(DWAttModelTest):
     model_tester_class = DWAttConcatModelTester

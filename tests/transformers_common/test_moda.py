@@ -30,6 +30,11 @@ class MoDAModelTest(CausalLMModelTest, modeling_common.ModelTesterMixin, Generat
     config_tester_class = configuration_common.ConfigTester
     test_can_init_all_missing_weights_before_2023 = True
 
+    def attention_key_length(self, config, layer_idx, kv_length):
+        # By design a MoDA layer attends over the cached tokens and, per token, its depth entries: each earlier
+        # layer's K/V, plus an FFN-side K/V pair per earlier layer with moda_ffn_kv (docs/MODA.md).
+        return kv_length + layer_idx * (2 if config.moda_ffn_kv else 1)
+
 
 class MoDANoFFNKVModelTest(MoDAModelTest):
     model_tester_class = MoDANoFFNKVModelTester
