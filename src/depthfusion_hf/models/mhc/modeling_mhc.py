@@ -233,6 +233,7 @@ class MHCPreTrainedModel(LlamaPreTrainedModel):
     config_class = MHCConfig
     _no_split_modules = ["MHCDecoderLayer"]
     _keep_in_fp32_modules_strict = ["attn_hc", "ffn_hc", "hc_head"]
+    _can_compile_fullgraph = False  # the token-input check reads the ids on CPU (as the other families')
     _can_record_outputs = {
         "hidden_states": MHCDecoderLayer,
         "attentions": LlamaAttention,
