@@ -113,14 +113,16 @@ def test_backend_selection(monkeypatch):
         ([torch.bfloat16, torch.bfloat16], torch.float32, None, torch.float32),  # promoted with the weights
         ([torch.float32, torch.bfloat16], torch.bfloat16, None, torch.float32),
         ([torch.float16, torch.bfloat16], torch.float16, None, torch.float32),  # promote_types(fp16, bf16)
-        ([torch.float32, torch.float32], torch.float32, torch.bfloat16, torch.bfloat16),  # the autocast dtype
-        ([torch.float32, torch.bfloat16], torch.float32, torch.bfloat16, torch.bfloat16),
-        ([torch.float32, torch.bfloat16], torch.float32, torch.float16, torch.float16),
-        ([torch.float64, torch.float32], torch.float32, torch.bfloat16, torch.float64),  # autocast leaves float64
+        # Autocast does not lower the sum (a residual stream: a Llama's x + f(x) stays fp32 under autocast).
+        ([torch.float32, torch.float32], torch.float32, torch.bfloat16, torch.float32),
+        ([torch.float32, torch.bfloat16], torch.float32, torch.bfloat16, torch.float32),
+        ([torch.bfloat16, torch.bfloat16], torch.bfloat16, torch.bfloat16, torch.bfloat16),
+        ([torch.float32, torch.bfloat16], torch.float32, torch.float16, torch.float32),
+        ([torch.float64, torch.float32], torch.float32, torch.bfloat16, torch.float64),
     ],
 )
 def test_one_compute_dtype_for_every_backend(backend, state_dtypes, weight_dtype, autocast, expected):
-    """The dispatcher decides the dtype (autocast dtype under autocast, else promoted) for every backend; the sum
+    """The dispatcher decides the dtype (the promoted one, also under autocast) for every backend; the sum
     is accumulated in fp32 and rounded once to it, each gradient comes back in its input's dtype."""
     gen = torch.Generator().manual_seed(0)
     states = [torch.randn(3, 40, generator=gen).to(d).requires_grad_(True) for d in state_dtypes]

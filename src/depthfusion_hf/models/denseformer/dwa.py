@@ -19,13 +19,13 @@ backend            implementation
 Which one runs (:func:`resolve_backend`): the ``backend`` argument, else ``$DEPTHFUSION_BACKEND``, else the
 model config's ``op_backend``, else automatic (Triton for CUDA tensors when it imports, else PyTorch).
 
-One compute dtype, decided here for every backend (:func:`compute_dtype`): under autocast for the states'
-device type the autocast dtype (as for ``scaled_dot_product_attention``; float64 inputs, which autocast
-never lowers, keep float64), otherwise the promoted dtype of the states and weights. It is the output's
-dtype. Every path reads each source and weight in its own dtype, accumulates in fp32 (float64 when the
-compute dtype is float64) and rounds the sum once; a source's gradient ``w[n] * g`` is rounded once to that
-source's dtype, the weights' gradient to theirs. Sources may differ in dtype (under autocast an fp32
-embedding is followed by bf16 block outputs); nothing is cast or copied for that.
+One compute dtype, decided here for every backend (:func:`compute_dtype`): the promoted dtype of the states
+and weights, also under autocast. The DWA is the residual stream's weighted sum: autocast lowers matmuls, not
+sums, and a Llama's residual ``x + f(x)`` stays fp32 under bf16 autocast (an fp32 embedding plus bf16 block
+outputs), so a DenseFormer's does too. It is the output's dtype. Every path reads each source and weight in its
+own dtype, accumulates in fp32 (float64 when the compute dtype is float64) and rounds the sum once; a source's
+gradient ``w[n] * g`` is rounded once to that source's dtype, the weights' gradient to theirs. Sources may differ
+in dtype (under autocast an fp32 embedding is followed by bf16 block outputs); nothing is cast or copied for that.
 
 This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next to
 the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
@@ -155,19 +155,12 @@ def _check_inputs(sources: list[torch.Tensor], weights: torch.Tensor) -> None:
 
 
 def compute_dtype(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.dtype:
-    """The op's one compute (and output) dtype, for every backend.
-
-    Under autocast for the states' device type: the autocast dtype, unless an input is float64 (autocast
-    leaves float64 alone). Otherwise: the promoted dtype of the states and the weights.
-    """
+    """The op's one compute (and output) dtype, for every backend: the promoted dtype of the states and the
+    weights (autocast does not lower it: see the module docstring)."""
     dtype = weights.dtype
     for x in sources:
         if x.dtype != dtype:
             dtype = torch.promote_types(dtype, x.dtype)
-    device_type = sources[0].device.type
-    if (dtype != torch.float64 and torch.amp.is_autocast_available(device_type)
-            and torch.is_autocast_enabled(device_type)):
-        return torch.get_autocast_dtype(device_type)
     return dtype
 
 
@@ -311,8 +304,8 @@ def depth_weighted_average(
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (then
             ``$DEPTHFUSION_BACKEND``, default ``"auto"``).
     Returns:
-        Tensor of shape S in the compute dtype (the autocast dtype under autocast, else the promoted
-        dtype of states and weights), accumulated in fp32 (float64 for float64). Gradients of every
+        Tensor of shape S in the compute dtype (the promoted dtype of states and weights, also under
+        autocast), accumulated in fp32 (float64 for float64). Gradients of every
         order (``create_graph=True``) are supported by every backend.
     Raises:
         ValueError: when the shapes or devices disagree, a dtype is not one of the floating-point ones above

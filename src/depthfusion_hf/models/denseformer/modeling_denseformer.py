@@ -47,7 +47,8 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
     Raises:
         ValueError: unless exactly one of the two is given, it has the shape above with at least one
             token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
-            which holds no values). On CUDA an id out of range fails asynchronously instead: a device-side assertion, raised as a RuntimeError at the next sync.
+            which holds no values). On CUDA an id out of range fails asynchronously instead: a device-side
+            assertion, raised as a RuntimeError at the next sync.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
