@@ -363,12 +363,16 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return rows if rows.stride(1) == 1 or width == 1 else rows.contiguous()
 
 
-def _projection_blocks(rows: int) -> tuple[int, int]:
-    """``(BLOCK_R, BLOCK_K)`` of the projection kernels: the rows padded to a power of two (>= 16, tl.dot's
-    minimum) and a K chunk keeping a [BLOCK_R, BLOCK_K] tile at 2048 entries: no spills on sm_80 / sm_90 up to
-    R = 80 (n = 8; checked by tests/mhc/test_triton_aot.py; BLOCK_K = 64 at BLOCK_R = 16 spilled on sm_90)."""
+def _projection_blocks(rows: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_K, num_warps)`` of the projection kernels: the rows padded to a power of two (>= 16,
+    tl.dot's minimum); for BLOCK_R = 16 (n <= 3) a K chunk of 32 and 2 warps, otherwise a K chunk keeping a
+    [BLOCK_R, BLOCK_K] tile at 2048 entries (at most 64) and 4 warps. Larger chunks or more warps at BLOCK_R = 16
+    spilled a few bytes on sm_80 / sm_90; with these no specialisation spills up to R = 80 (n = 8), see
+    tests/mhc/test_triton_aot.py."""
     block_r = max(16, triton.next_power_of_2(rows))
-    return block_r, max(16, min(128, 2048 // block_r))
+    if block_r == 16:
+        return block_r, 32, 2
+    return block_r, max(16, min(64, 2048 // block_r)), 4
 
 
 def _powers(n: int) -> tuple[int, int]:
@@ -401,11 +405,11 @@ class _HyperConnectionTriton(torch.autograd.Function):
         post = torch.empty(num, n, device=device, dtype=torch.float32)
         comb = torch.empty(num, n, n, device=device, dtype=torch.float32)
         y = torch.empty(num, dim, device=device, dtype=streams.dtype)
-        block_r, block_k = _projection_blocks(rows)
+        block_r, block_k, warps = _projection_blocks(rows)
         padded, block_t = _powers(n)
         with on_device(device):
             hc_project_kernel[(triton.cdiv(num, 16),)](x, fn_c, m, rstd, num, width, rows, x.stride(0), norm_eps,
-                                                       BLOCK_T=16, BLOCK_K=block_k, BLOCK_R=block_r)
+                                                       BLOCK_T=16, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=warps)
             hc_weights_kernel[(triton.cdiv(num, block_t),)](
                 m, base_c, scale_c, x, pre, post, comb, y, num, dim, x.stride(0), eps, iters,
                 NS=n, NP=padded, HEAD=head, BLOCK_T=block_t, BLOCK_D=64)
@@ -434,7 +438,7 @@ class _HyperConnectionTriton(torch.autograd.Function):
         coef = torch.empty(num, device=device, dtype=torch.float32)
         d_base = torch.zeros(blocks, rows, device=device, dtype=torch.float32)
         d_scale = torch.zeros(blocks, scale.numel(), device=device, dtype=torch.float32)
-        block_r, block_k = _projection_blocks(rows)
+        block_r, block_k, warps = _projection_blocks(rows)
         d_x = d_fn = None
         with on_device(device):
             hc_weights_bwd_kernel[(blocks,)](m, base, scale, rstd, x, g_y, g_post, g_comb, d_p, coef, d_base,
@@ -452,7 +456,7 @@ class _HyperConnectionTriton(torch.autograd.Function):
                 per_split = triton.cdiv(triton.cdiv(num, splits), 16) * 16
                 part = torch.empty(splits, rows, width, device=device, dtype=torch.float32)
                 hc_fn_bwd_kernel[(k_blocks, splits)](d_p, x, part, num, width, rows, x.stride(0), per_split,
-                                                     BLOCK_T=16, BLOCK_K=block_k, BLOCK_R=block_r)
+                                                     BLOCK_T=16, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=warps)
                 d_fn = part.sum(0).to(fn.dtype)
         return d_x, d_fn, d_base.sum(0).to(base.dtype), d_scale.sum(0).to(scale.dtype), None, None, None, None
 
