@@ -65,7 +65,7 @@ FORWARD_CASES = {
     "bf16": (["bf16"], "bf16"),
     "fp16": (["fp16"], "fp16"),
     "fp32": (["fp32"], "fp32"),
-    "autocast-bf16": (["fp32", "bf16"], "bf16"),  # an fp32 embedding among bf16 block outputs
+    "autocast-bf16": (["fp32", "bf16"], "fp32"),  # an fp32 embedding among bf16 block outputs: promoted, fp32
 }
 
 
