@@ -24,6 +24,9 @@ EXPECTED_OUTPUT = {
     "llama_upcycling.py": ["Llama -> denseformer 2x2  max |Δlogits| 0.00e+00", "Llama -> moda",
                            "Llama -> attnres block 4", "DenseFormer DWA weights moved from the identity",
                            "block AttnRes depth attention after"],
+    "mhc_hyper_connections.py": ["[mHC n4]", "mHC n4: streams [1, 48, 4, 64]", "comb columns sum to 1 within",
+                                 "Llama -> mhc n4  max |Δlogits|", "greedy (same with and without the cache)",
+                                 "-> MHCForCausalLM: max |Δlogits| 0.0e+00"],
 }
 # A generous ceiling against hangs; the examples are meant to take well under two minutes on a free CPU.
 TIMEOUT_S = 300
