@@ -6,7 +6,7 @@ A name is ``<base>[-ckpt][-before]``:
   named after its study spec (:mod:`depthfusion_hf.recipes.study.specs`, one name, one meaning): ``denseformer-1x1``
   (``denseformer:1x1``), ``denseformer-4x5``, ``moda``, ``moda-noffn`` (``moda:no-ffn-kv``), ``moda-w<W>``
   (``moda:moda_depth_window=W``), ``attnres-full``, ``attnres-block8`` (``attnres:block8``: 8 blocks, 2L/8
-  sub-layers each);
+  sub-layers each), ``mhc`` (4 streams);
 - ``-ckpt``: activation (gradient) checkpointing on every decoder layer (transformers' non-reentrant default);
 - ``-before``: the family folder of another checkout (``--before``), imported as ``<family>_before``.
 
@@ -37,6 +37,7 @@ FAMILY_MODELS = {  # bench name -> study spec
     "attnres-block8": "attnres:block8",
     "moda": "moda",
     "moda-noffn": "moda:no-ffn-kv",
+    "mhc": "mhc",  # hc_mult 4 (the family default, DeepSeek-V4's)
 }
 ALIASES = {"moda-before-noffn": "moda-noffn-before", "moda-before-ckpt": "moda-ckpt-before"}
 _WINDOW = re.compile(r"moda-w(\d+)")
