@@ -78,6 +78,7 @@ TARGETS = {
     "attnres-block8": {"train": 1.12, "decode": 0.82, "decode_compiled": 0.95},
     "moda": {"train": 1.30, "peak": 1.25, "decode": 0.80, "decode_compiled": 0.90},
     "moda-noffn": {"train": 1.30, "peak": 1.25, "decode": 0.80, "decode_compiled": 0.90},
+    "mhc": {"train": 1.20, "decode": 0.90},  # issue 22 (n = 4)
 }
 CONTEXT = {  # issue 5's DenseFormer bounds: printed and recorded, not judged (issue 18 asks for "unchanged")
     "denseformer-4x5": {"train": 1.03, "decode": 0.95},
