@@ -108,7 +108,7 @@ def resolve_backend(backend: str | None, device: torch.device, config_backend: s
         raise ValueError(
             f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
         )
-    if backend is None:
+    if backend is None and not torch.compiler.is_compiling():  # a log call would break a compiled graph
         logger.debug("%s: backend %r on %s", __name__, choice, device)
     return choice
 
