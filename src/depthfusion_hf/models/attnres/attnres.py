@@ -41,7 +41,6 @@ This file must stay self-contained (only ``torch`` and same-folder relative impo
 to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
 """
 
-import contextlib
 import functools
 import logging
 import math
@@ -120,7 +119,7 @@ def resolve_backend(backend: str | None, device: torch.device, config_backend: s
         raise ValueError(
             f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
         )
-    if backend is None:
+    if backend is None and not torch.compiler.is_compiling():  # a log call would break a compiled graph
         logger.debug("%s: backend %r on %s", __name__, choice, device)
     return choice
 
@@ -131,42 +130,58 @@ def _describe(x: object) -> str:
     return type(x).__name__
 
 
-def _floating(name: str, x: object) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor; got {_describe(x)}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name} must have a floating dtype (float16, bfloat16, float32, float64); got {x.dtype}")
-    return x
-
-
-def check_attnres_inputs(query, sources: Sequence, key_norm_weight, eps, return_weights) -> set[torch.dtype]:
+def check_attnres_inputs(query, sources, key_norm_weight, eps, return_weights) -> set[torch.dtype]:
     """Validate the op's inputs (cheaply: no host sync); return their dtypes. Raises ValueError naming the problem."""
+    try:  # the common case: one pass of attribute reads (this runs for every call of a model)
+        first = sources[0] if isinstance(sources, (list, tuple)) else None
+        shape, device, dtypes = first.shape, first.device, {query.dtype, key_norm_weight.dtype}
+        for v in sources:
+            if v.shape != shape or v.device != device:
+                break
+            dtypes.add(v.dtype)
+        else:
+            if (len(shape) == 3 and shape[-1] > 0 and query.shape == shape[-1:] == key_norm_weight.shape
+                    and query.device == device == key_norm_weight.device and all(d.is_floating_point for d in dtypes)
+                    and all(isinstance(x, torch.Tensor) for x in (first, query, key_norm_weight))
+                    and isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0
+                    and isinstance(return_weights, bool)):
+                return dtypes
+    except (AttributeError, IndexError, TypeError):
+        pass
+    return _check_one_by_one(query, sources, key_norm_weight, eps, return_weights)
+
+
+def _check_one_by_one(query, sources, key_norm_weight, eps, return_weights) -> set[torch.dtype]:
+    """:func:`check_attnres_inputs` one input at a time, to name what is wrong."""
+    if not isinstance(sources, (list, tuple)):
+        raise ValueError(f"sources must be a sequence (list or tuple) of N >= 1 tensors [B, T, D] or one tensor "
+                         f"[N, B, T, D]; got {_describe(sources)}")
     if len(sources) == 0:
         raise ValueError("sources must hold at least one tensor (N >= 1)")
-    first = _floating("sources[0]", sources[0])
-    shape, device, dtypes = first.shape, first.device, {first.dtype}
+    for name, x in [(f"sources[{i}]", v) for i, v in enumerate(sources)] + [("query", query),
+                                                                            ("key_norm_weight", key_norm_weight)]:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {_describe(x)}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must have a floating dtype (float16, bfloat16, float32, float64); got {x.dtype}")
+    first = sources[0]
     for i, v in enumerate(sources):
-        if not (isinstance(v, torch.Tensor) and v.shape == shape and v.device == device):
-            _floating(f"sources[{i}]", v)
+        if v.shape != first.shape or v.device != first.device:
             raise ValueError(f"all sources must share shape and device; sources[0] is {_describe(first)}, "
                              f"sources[{i}] is {_describe(v)}")
-        dtypes.add(v.dtype)
-    for i, v in enumerate(sources if len(dtypes) > 1 else ()):
-        _floating(f"sources[{i}]", v)
-    if len(shape) != 3 or shape[-1] == 0:
-        raise ValueError(f"sources must have shape [B, T, D] with a hidden size D >= 1; got shape {tuple(shape)}")
+    if first.dim() != 3 or first.shape[-1] == 0:
+        raise ValueError(f"sources must have shape [B, T, D] with a hidden size D >= 1; got shape {tuple(first.shape)}")
     for name, x in (("query", query), ("key_norm_weight", key_norm_weight)):
-        if _floating(name, x).shape != (shape[-1],):
-            raise ValueError(f"{name} must have shape [D={shape[-1]}] (D = the sources' last dim); "
+        if x.shape != first.shape[-1:]:
+            raise ValueError(f"{name} must have shape [D={first.shape[-1]}] (D = the sources' last dim); "
                              f"got {tuple(x.shape)}")
-        if x.device != device:
-            raise ValueError(f"{name} must be on the sources' device {device}; got {x.device}")
-        dtypes.add(x.dtype)
+        if x.device != first.device:
+            raise ValueError(f"{name} must be on the sources' device {first.device}; got {x.device}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps must be a positive finite float; got {eps!r}")
     if not isinstance(return_weights, bool):
         raise ValueError(f"return_weights must be a bool; got {return_weights!r}")
-    return dtypes
+    return {x.dtype for x in (query, key_norm_weight, *sources)}
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -196,8 +211,7 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor | None) -> t
 def _scores(u, sources, eps, scratch=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``p``, ``r`` [B, T, N] in u's dtype (module docstring): one dot product and one norm per source."""
     dots, norms = [], []
-    for v in sources:
-        x = v.to(u.dtype)
+    for x in sources if sources[0].dtype == u.dtype else (v.to(u.dtype) for v in sources):
         dots.append(_rowdot(x, u, scratch))
         norms.append(torch.linalg.vector_norm(x, dim=-1))
     return torch.stack(dots, dim=-1), torch.rsqrt(torch.stack(norms, dim=-1).square() / u.shape[0] + eps)
@@ -208,13 +222,15 @@ def attnres_torch_forward(query, sources, key_norm_weight, eps):
     in the accumulation dtype. Sources of at most ``SMALL_NUMEL`` elements (cached decoding: a few KB) are
     stacked into a transient [B, T, N, D] buffer and computed in a few operators whatever N; larger ones
     (training) in a loop over the list, a few operators per source."""
-    acc = accumulation_dtype(sources[0].dtype)
-    u = query.to(acc) * key_norm_weight.to(acc)
+    dtype = sources[0].dtype
+    acc = accumulation_dtype(dtype)
+    u = query * key_norm_weight if dtype == acc else query.to(acc) * key_norm_weight.to(acc)
     if sources[0].numel() <= SMALL_NUMEL:
-        x = torch.stack(sources, dim=-2).to(acc)
-        p, r = x @ u, torch.rsqrt(x.square().mean(dim=-1).add_(eps))
+        x = torch.stack(sources, dim=-2) if dtype == acc else torch.stack(sources, dim=-2).to(acc)
+        p, r = x @ u, torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps).rsqrt_()
         alpha = torch.softmax(p * r, dim=-1)
-        return (alpha.unsqueeze(-1) * x).sum(dim=-2).to(sources[0].dtype), alpha, p, r
+        h = torch.linalg.vecdot(alpha.unsqueeze(-1), x, dim=-2)
+        return (h if dtype == acc else h.to(dtype)), alpha, p, r
     h = torch.empty(sources[0].shape, dtype=acc, device=u.device)  # the product buffer of the scores, then h
     p, r = _scores(u, sources, eps, h)
     alpha = torch.softmax(p * r, dim=-1)
@@ -222,7 +238,7 @@ def attnres_torch_forward(query, sources, key_norm_weight, eps):
     torch.mul(sources[0], weights[0], out=h)
     for v, a in zip(sources[1:], weights[1:]):
         h.addcmul_(v, a)
-    return h.to(sources[0].dtype), alpha, p, r
+    return (h if dtype == acc else h.to(dtype)), alpha, p, r
 
 
 class AttnResFunction(torch.autograd.Function):
@@ -253,9 +269,10 @@ class AttnResFunction(torch.autograd.Function):
         if scratch is None:  # create_graph: p, r, alpha as differentiable functions of the inputs
             p, r = _scores(u, sources, ctx.eps)
             alpha = torch.softmax(p * r, dim=-1)
+        same = sources[0].dtype == acc  # else each source is cast to the accumulation dtype where it is read
         dh = None if grad_h is None else grad_h.to(acc)
         d_alpha = torch.zeros_like(alpha) if dh is None else torch.stack(
-            [_rowdot(dh, v.to(acc), scratch) for v in sources], dim=-1)
+            [_rowdot(dh, v if same else v.to(acc), scratch) for v in sources], dim=-1)
         if grad_alpha is not None:
             d_alpha = d_alpha + grad_alpha
         ds = alpha * (d_alpha - (alpha * d_alpha).sum(dim=-1, keepdim=True))
@@ -266,14 +283,15 @@ class AttnResFunction(torch.autograd.Function):
             else None  # [B, T, D]: summed over the sources here, over the tokens after the loop
         grads = []
         for i, (v, a_i, b_i, e_i) in enumerate(zip(sources, *(t.unsqueeze(-1).unbind(-2) for t in (alpha, b, e)))):
-            x = v.to(acc)
+            x = v if same else v.to(acc)
             if need_u:
                 du.addcmul_(x, b_i)
             if not ctx.needs_input_grad[3 + i]:
                 grads.append(None)
                 continue
             dv = torch.mul(b_i, u).addcmul_(x, e_i)
-            grads.append((dv if dh is None else dv.addcmul_(dh, a_i)).to(v.dtype))
+            dv = dv if dh is None else dv.addcmul_(dh, a_i)
+            grads.append(dv if same else dv.to(v.dtype))
         du = du.reshape(-1, shape[-1]).sum(dim=0) if need_u else None
         d_q = (du * g).to(query.dtype) if ctx.needs_input_grad[0] else None
         d_g = (du * w).to(key_norm_weight.dtype) if ctx.needs_input_grad[1] else None
@@ -309,20 +327,20 @@ def attention_residual(
     """
     if isinstance(sources, torch.Tensor) and sources.dim() == 4:
         sources = sources.unbind(0)
-    if not isinstance(sources, (list, tuple)):
-        raise ValueError(f"sources must be a sequence (list or tuple) of N >= 1 tensors [B, T, D] or one tensor "
-                         f"[N, B, T, D]; got {_describe(sources)}")
     dtypes = check_attnres_inputs(query, sources, key_norm_weight, eps, return_weights)
-    device = sources[0].device
-    autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
-    dtype = torch.get_autocast_dtype(device.type) if autocast else functools.reduce(torch.promote_types, dtypes)
-    choice = resolve_backend(backend, device)
+    device = sources[0].device.type
+    autocast = (device in ("cpu", "cuda") or torch.amp.is_autocast_available(device)) and \
+        torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else functools.reduce(torch.promote_types, dtypes)
+    if len(dtypes) > 1 or dtype not in dtypes:  # one compute dtype for every implementation
+        query, key_norm_weight, *sources = (x.to(dtype) for x in (query, key_norm_weight, *sources))
+    choice = resolve_backend(backend, sources[0].device)
     if choice == "triton" and (dtype not in TRITON_DTYPES or sources[0].shape[-1] > TRITON_MAX_DIM):
         choice = "torch"
-    if dtypes != {dtype}:  # one compute dtype for every implementation
-        query, key_norm_weight = query.to(dtype), key_norm_weight.to(dtype)
-        sources = [v.to(dtype) for v in sources]
-    with torch.autocast(device.type, enabled=False) if autocast else contextlib.nullcontext():
+    if autocast:  # the implementations compute in the compute dtype (accumulating in fp32) whatever autocast says
+        with torch.autocast(device, enabled=False):
+            h, alpha = _run(choice, query, sources, key_norm_weight, float(eps))
+    else:
         h, alpha = _run(choice, query, sources, key_norm_weight, float(eps))
     return (h, alpha) if return_weights else h
 
