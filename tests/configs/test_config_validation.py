@@ -105,11 +105,44 @@ def test_an_unknown_key_far_from_every_option_passes(kind, key):
 
     cls = CLASSES[kind]
     fields = {f.name for f in dataclasses.fields(cls)}
-    looks_like_an_option = difflib.get_close_matches(key, options(cls), n=1, cutoff=0.8) or key.startswith(
+    looks_like_an_option = difflib.get_close_matches(key, options(cls), n=1, cutoff=0.85) or key.startswith(
         FAMILY_OPTION_PREFIXES)
     if key in fields or looks_like_an_option or key in ("rope_scaling", "rope_theta", "rope_type", "num_labels"):
         return
     assert getattr(cls(**TINY, **{key: 1}), key) == 1
+
+
+def transformers_config_fields() -> set[str]:
+    """The field names of every config class transformers ships (its model tests pass such keys to any config,
+    e.g. ``norm_epsilon``, and saved configs of other architectures carry them)."""
+    import importlib
+    import pkgutil
+
+    import transformers.models
+    from transformers import PreTrainedConfig
+
+    names = set()
+    for module in pkgutil.iter_modules(transformers.models.__path__):
+        try:
+            found = importlib.import_module(f"transformers.models.{module.name}.configuration_{module.name}")
+        except ImportError:  # a model folder without a configuration module, or with a missing optional import
+            continue
+        for value in vars(found).values():
+            if isinstance(value, type) and issubclass(value, PreTrainedConfig) and dataclasses.is_dataclass(value):
+                names |= {field.name for field in dataclasses.fields(value)}
+    return names
+
+
+@pytest.mark.parametrize("kind", sorted(CLASSES))
+def test_no_field_of_a_transformers_config_is_taken_for_a_family_option(kind):
+    """Before the cutoff was 0.85, ``norm_epsilon`` (a key transformers' common tests set) was refused as a near
+    miss of MoDA's ``norm_position`` (ratio 0.8); single-character typos of our options have ratio >= 0.9."""
+    from depthfusion_hf.models.denseformer.configuration_denseformer import check_unknown_options
+
+    cls = CLASSES[kind]
+    names = transformers_config_fields() - {f.name for f in dataclasses.fields(cls)}
+    assert len(names) > 1000 and {"norm_epsilon", "dilation", "n_positions", "max_period"} <= names
+    check_unknown_options(cls, sorted(names))  # raises on the first one it would refuse
 
 
 # (field, bad values): each was accepted before and gave NaN logits, a bare KeyError / assertion, or a silent change.
