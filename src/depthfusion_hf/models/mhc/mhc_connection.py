@@ -132,7 +132,7 @@ def resolve_backend(backend: str | None, device: torch.device, config_backend: s
         raise ValueError(
             f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
         )
-    if backend is None:
+    if backend is None and not torch.compiler.is_compiling():  # a log call would break a compiled graph
         logger.debug("%s: backend %r on %s", __name__, choice, device)
     return choice
 
@@ -345,7 +345,7 @@ class _HyperConnection(torch.autograd.Function):
     token). It saves the inputs and the small per-token pieces (m, rstd, the gates, A and the Sinkhorn scaling
     vectors). The backward is the chain rule written out in torch ops: the Sinkhorn recursion backwards
     (:func:`sinkhorn_vjp`), the softmax and sigmoids, then the projection with its norm, ``dX = dp fn - c x +
-    pre ⊗ g`` in one ``addmm`` and one multiply-add, and ``dfn = dp^T x``. Under ``create_graph=True`` the pieces
+    pre ⊗ g`` in one product and two multiply-adds in place, and ``dfn = dp^T x``. Under ``create_graph=True`` the pieces
     are recomputed from the saved inputs with autograd recording, so every order of derivative is exact.
     """
 
@@ -400,9 +400,9 @@ class _HyperConnection(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # x -> m = rstd * p: dx = dp fn - (sum_r dm_r m_r) rstd^2 x / (nD); plus the collapse's pre ⊗ g
             coefficient = (d_m * m).sum(-1, keepdim=True) * rstd.square() * (-1.0 / (n * dim))
-            outer = (sig_pre + eps).unsqueeze(-1) * g_collapsed.unsqueeze(1)  # (N, n, D)
-            d_x = torch.addmm(outer.view(-1, n * dim), d_p, fn_w)
-            d_streams = d_x.addcmul_(x, coefficient).view(batch, tokens, n, dim).to(streams.dtype)
+            d_x = torch.mm(d_p, fn_w).addcmul_(x, coefficient).view(-1, n, dim)  # (N, n, D)
+            d_x = d_x.addcmul_((sig_pre + eps).unsqueeze(-1), g_collapsed.unsqueeze(1))  # the collapse's pre ⊗ g
+            d_streams = d_x.view(batch, tokens, n, dim).to(streams.dtype)
         if ctx.needs_input_grad[1]:
             d_fn = torch.mm(d_p.t(), x).to(fn.dtype)
         return d_streams, d_fn, d_z.sum(0).to(base.dtype), d_scale.to(scale.dtype), None, None, None, None

@@ -15,8 +15,8 @@ One entry point, :func:`hyper_mix`, three implementations:
 backend            implementation
 =================  ==========================================================================================
 ``"reference"``    :func:`hyper_mix_reference`: the two loops (new stream k, read stream j); autograd.
-``"torch"``        :func:`hyper_mix_torch`: one custom autograd Function, n + 1 fused multiply-adds each way
-                   (its backward is written in torch ops: every order of derivative).
+``"torch"``        :func:`hyper_mix_torch`: one custom autograd Function, a batched [n, n] x [n, D] product per
+                   token each way (its backward is written in torch ops: every order of derivative).
 ``"triton"``       ``mhc_triton.triton_hyper_mix``: one fused kernel each way (the streams read once; the
                    backward writes the gradients of X and f and per-block partial sums for post and comb).
                    First-order only (``create_graph=True`` raises a RuntimeError naming the other backends).
@@ -69,28 +69,18 @@ def hyper_mix_reference(streams: torch.Tensor, output: torch.Tensor, post: torch
     return torch.stack(new, dim=-2).to(dtype)
 
 
-def _spread(weights: torch.Tensor, rows: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
-    """``initial + sum_j weights[..., :, j, None] * rows[..., j, None, :]``: [..., n, D] from weights [..., n, m]
-    and rows [..., m, D], as m fused multiply-adds over [..., n, D] (a batched [n, m] x [m, D] product per token
-    is slower on CPUs for such small n)."""
-    out = weights[..., :, 0, None] * rows[..., 0:1, :] if initial is None else initial
-    for j in range(0 if initial is not None else 1, rows.shape[-2]):
-        out = out.addcmul_(weights[..., :, j, None], rows[..., j:j + 1, :])
-    return out
-
-
 class _HyperMix(torch.autograd.Function):
-    """The torch backend of :func:`hyper_mix`: ``X' = post ⊗ f + comb^T X`` as n + 1 fused multiply-adds, saving
-    only references to the inputs. Backward (torch ops, so ``create_graph=True`` differentiates it):
-    ``dX = comb dX'`` (n multiply-adds), ``dcomb = X dX'^T`` and ``df = post . dX'`` (batched products),
-    ``dpost = dX' . f``."""
+    """The torch backend of :func:`hyper_mix`: ``X' = comb^T X`` (one [n, n] x [n, D] product per token) plus
+    ``post ⊗ f`` added in place, saving only references to the inputs. Backward (torch ops, so
+    ``create_graph=True`` differentiates it): ``dX = comb dX'``, ``dcomb = X dX'^T``, ``df = post . dX'`` (batched
+    products) and ``dpost = dX' . f``."""
 
     @staticmethod
     def forward(ctx, streams, output, post, comb, dtype):
         acc = weight_dtype(streams, output, post, comb)
         ctx.save_for_backward(streams, output, post, comb)
-        initial = post.to(acc).unsqueeze(-1) * output.to(acc).unsqueeze(-2)  # (B, T, n, D)
-        return _spread(comb.to(acc).transpose(-1, -2), streams.to(acc), initial).to(dtype)
+        mixed = torch.matmul(comb.to(acc).transpose(-1, -2), streams.to(acc))  # (B, T, n, D)
+        return mixed.addcmul_(post.to(acc).unsqueeze(-1), output.to(acc).unsqueeze(-2)).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -99,7 +89,7 @@ class _HyperMix(torch.autograd.Function):
         g, x = grad.to(acc), streams.to(acc)
         d_streams = d_output = d_post = d_comb = None
         if ctx.needs_input_grad[0]:
-            d_streams = _spread(comb.to(acc), g, None).to(streams.dtype)  # dX_j = sum_k comb_jk dX'_k
+            d_streams = torch.matmul(comb.to(acc), g).to(streams.dtype)  # dX_j = sum_k comb_jk dX'_k
         if ctx.needs_input_grad[1]:
             d_output = torch.matmul(post.to(acc).unsqueeze(-2), g).squeeze(-2).to(output.dtype)
         if ctx.needs_input_grad[2]:
