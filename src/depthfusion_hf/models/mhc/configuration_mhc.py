@@ -55,7 +55,7 @@ def check_unknown_options(config_class: type, extra_keys) -> None:
     fields = sorted(field.name for field in dataclasses.fields(config_class))
     options = [name for name in fields if name not in LlamaConfig.__dataclass_fields__]
     for key in extra_keys:
-        near_option = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
+        near_option = difflib.get_close_matches(key, options, n=1, cutoff=0.85)
         if not near_option and not key.startswith(FAMILY_OPTION_PREFIXES):
             continue
         if near_option:

@@ -53,7 +53,8 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
     Raises:
         ValueError: unless exactly one of the two is given, it has the shape above with at least one
             token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
-            which holds no values). On CUDA an id out of range fails asynchronously instead: a device-side assertion, raised as a RuntimeError at the next sync.
+            which holds no values). On CUDA and under ``torch.compile`` an id out of range fails as an op
+            instead: a RuntimeError (on CUDA a device-side assertion, raised at the next sync).
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -70,9 +71,9 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
     if input_ids.device.type == "meta":
         return  # no values to check: the meta device only sizes and plans models
     out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
-    if input_ids.device.type == "cuda":
-        # No host sync per forward (it would stall every training and decoding step): the check runs on the
-        # device and fails the next synchronising call with this message.
+    if input_ids.device.type == "cuda" or torch.compiler.is_compiling():
+        # No host sync per forward (it would stall every training and decoding step, and break a compiled graph):
+        # the check runs as an op and fails (on CUDA: at the next synchronising call) with this message.
         torch._assert_async(~out_of_range, f"input_ids must lie in [0, vocab_size={vocab_size})")
     elif bool(out_of_range):
         raise ValueError(
@@ -233,7 +234,7 @@ class MHCPreTrainedModel(LlamaPreTrainedModel):
     config_class = MHCConfig
     _no_split_modules = ["MHCDecoderLayer"]
     _keep_in_fp32_modules_strict = ["attn_hc", "ffn_hc", "hc_head"]
-    _can_compile_fullgraph = False  # the token-input check reads the ids on CPU (as the other families')
+    _can_compile_fullgraph = False  # as the other families', until compiled static-cache decoding is tested (issue 21)
     _can_record_outputs = {
         "hidden_states": MHCDecoderLayer,
         "attentions": LlamaAttention,
