@@ -345,8 +345,8 @@ class _HyperConnection(torch.autograd.Function):
     token). It saves the inputs and the small per-token pieces (m, rstd, the gates, A and the Sinkhorn scaling
     vectors). The backward is the chain rule written out in torch ops: the Sinkhorn recursion backwards
     (:func:`sinkhorn_vjp`), the softmax and sigmoids, then the projection with its norm, ``dX = dp fn - c x +
-    pre ⊗ g`` in one product and two multiply-adds in place, and ``dfn = dp^T x``. Under ``create_graph=True`` the pieces
-    are recomputed from the saved inputs with autograd recording, so every order of derivative is exact.
+    pre ⊗ g`` in one product and two multiply-adds in place, and ``dfn = dp^T x``. Under ``create_graph=True`` the
+    pieces are recomputed from the saved inputs with autograd recording, so every order of derivative is exact.
     """
 
     @staticmethod
