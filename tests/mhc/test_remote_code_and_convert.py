@@ -17,8 +17,8 @@ from .helpers import randomise_mhc, tiny_config, tiny_llama_config
 def test_remote_code_loads_in_fresh_process(tmp_path):
     model = randomise_mhc(MHCForCausalLM(tiny_config())).eval()
     folder = save_remote_code_folder(model, tmp_path / "export")
-    for name in ("configuration_mhc.py", "modeling_mhc.py", "mhc_connection.py", "mhc_mix.py", "mhc_triton.py",
-                 "model.safetensors"):
+    for name in ("configuration_mhc.py", "modeling_mhc.py", "mhc_connection.py", "mhc_mix.py", "mhc_inputs.py",
+                 "mhc_triton.py", "model.safetensors"):
         assert (folder / name).exists(), name
     ids = torch.randint(3, 97, (2, 9))
     with torch.no_grad():

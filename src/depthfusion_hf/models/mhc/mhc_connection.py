@@ -24,12 +24,10 @@ backend            implementation
 ``"reference"``    :func:`hyper_connection_reference` / :func:`hyper_head_reference`: the formulas above as
                    transformers writes them (the Sinkhorn loop, a loop over the streams for the collapse);
                    autograd differentiates them (every order). The oracle.
-``"torch"``        :func:`hyper_connection_torch` / :func:`hyper_head_torch`: vectorised, plain autograd
-                   (every order). The norm is applied after the projection (``m = rstd * (fn . X)``: no
-                   normalised copy of the streams) and the Sinkhorn iterations update two scaling vectors,
-                   ``comb = A / (u v^T)`` with ``u = A v^-1 + eps u`` and ``v = A^T u^-1 + eps v`` (one
-                   batched matrix-vector product and one reciprocal per half-step; the same function as the
-                   loop, which normalises the whole matrix twice per iteration).
+``"torch"``        :func:`hyper_connection_torch` / :func:`hyper_head_torch`: one custom autograd Function
+                   (:class:`_HyperConnection`; its backward in torch ops: every order). The norm is applied
+                   after the projection (no normalised copy of the streams) and the Sinkhorn loop runs on two
+                   scaling vectors (:func:`sinkhorn_scalings`: the loop's function, n-vectors per half-step).
 ``"triton"``       ``mhc_triton.triton_hyper_connection``: fused kernels (projection with the norm, weights
                    with the Sinkhorn iterations and the collapse; a backward that recomputes the iterations)
                    for CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``). First-order only: a backward
@@ -48,17 +46,16 @@ Autocast does not change either (it is disabled inside the op): the projection i
 computation, not a matmul autocast should lower, and under autocast an fp32 model's streams stay fp32, as a
 Llama's residual does (``x + f(x)`` promotes).
 
-This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next to the
-model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+Self-contained (``torch`` and same-folder imports only): ``save_pretrained`` copies it next to the model code.
 """
 
-import contextlib
 import logging
-import math
 import os
 
 import torch
 import torch.nn.functional as F
+
+from .mhc_inputs import autocast_off, check_positive, check_streams, check_tensor, weight_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +83,6 @@ except Exception:  # pragma: no cover - depends on the environment
 
 BACKENDS = ("reference", "torch", "triton")
 BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
-# The dtypes every path computes correctly; others are rejected, not rounded.
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # Copied from depthfusion_hf.models.denseformer.dwa.resolve_backend with _forward_backward->, dwa_->mhc_
@@ -135,45 +130,6 @@ def resolve_backend(backend: str | None, device: torch.device, config_backend: s
     if backend is None and not torch.compiler.is_compiling():  # a log call would break a compiled graph
         logger.debug("%s: backend %r on %s", __name__, choice, device)
     return choice
-
-
-def weight_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """The dtype of the mHC weight arithmetic: float64 when any input is float64, else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
-    """A context that turns autocast off for ``device_type`` where it is on (a no-op context elsewhere)."""
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def check_tensor(name: str, value, shape: tuple[int, ...] | None, device: torch.device | None, layout: str) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is a floating tensor of ``shape`` (None: any shape) on
-    ``device`` (None: any device)."""
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor {layout}; got {type(value).__name__}")
-    if value.dtype not in DTYPES:
-        raise ValueError(f"{name} must have a floating-point dtype in {DTYPES}; got {value.dtype}")
-    if shape is not None and tuple(value.shape) != shape:
-        raise ValueError(f"{name} must have shape {layout} = {shape}; got {tuple(value.shape)}")
-    if device is not None and value.device != device:
-        raise ValueError(f"{name} must be on the streams' device {device}; got {value.device}")
-
-
-def check_positive(name: str, value) -> None:
-    """Raise a ValueError naming ``name`` unless it is a finite real number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-
-
-def check_streams(streams) -> tuple[int, int, int, int]:
-    """Raise a ValueError unless ``streams`` is a floating [B, T, n, D] tensor with n, D >= 1; returns its shape."""
-    check_tensor("streams", streams, None, None, "[B, T, n, D]")
-    if streams.dim() != 4 or streams.shape[2] < 1 or streams.shape[3] < 1:
-        raise ValueError(f"streams must have shape [B, T, n, D] with n, D >= 1; got {tuple(streams.shape)}")
-    return tuple(streams.shape)
 
 
 def check_hyper_connection_inputs(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, head: bool) -> None:

@@ -36,7 +36,8 @@ model code by ``save_pretrained`` for ``trust_remote_code`` loading.
 
 import torch
 
-from .mhc_connection import autocast_off, check_streams, check_tensor, resolve_backend, weight_dtype
+from .mhc_connection import resolve_backend
+from .mhc_inputs import autocast_off, check_streams, check_tensor, weight_dtype
 
 try:  # Triton is optional: the model loads and runs without it.
     from .mhc_triton import MHC_TRITON_DTYPES, TRITON_MAX_STREAMS, triton_hyper_mix
