@@ -51,7 +51,7 @@ from .ner import (
     run_one,
     sample_training_set,
 )
-from .study import paired_summary
+from .study.stats import paired_summary
 
 Sentence = dict[str, list[str]]
 
