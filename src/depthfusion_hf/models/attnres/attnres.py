@@ -1,19 +1,17 @@
 """Attention Residuals (AttnRes), the op behind the AttnRes family (arXiv 2603.15031).
 
-Per token, over N sources ``v_i`` [B, T, D] (earlier sub-layer outputs or block sums), with the call's
-pseudo-query ``w`` [D] and key-RMSNorm weight ``g`` [D], ``u = w * g``:
+Per token, over N sources ``v_i`` [B, T, D], with the call's pseudo-query ``w`` [D] and key-RMSNorm weight ``g``
+[D], ``u = w * g``:
 
     p_i = u . v_i,   r_i = rsqrt(mean(v_i ** 2) + eps),   s_i = r_i p_i   (= w . RMSNorm_g(v_i))
     alpha = softmax_i(s_i)   (no logit scale),   h = sum_i alpha_i v_i   (the raw sources, not the keys)
+    backward: dalpha_i = dh . v_i (+ the weights' own gradient),  ds_i = alpha_i (dalpha_i - sum_j alpha_j dalpha_j),
+    b_i = ds_i r_i,  e_i = -b_i p_i r_i^2 / D,  dv_i = alpha_i dh + b_i u + e_i v_i,  du = sum_tokens sum_i b_i v_i,
+    dw = du * g,  dg = du * w.
 
-and its gradient, per token (``dalpha_i`` includes the gradient of the returned weights):
-
-    dalpha_i = dh . v_i,   ds_i = alpha_i (dalpha_i - sum_j alpha_j dalpha_j),   b_i = ds_i r_i,
-    e_i = -b_i p_i r_i^2 / D,   dv_i = alpha_i dh + b_i u + e_i v_i,
-    du = sum_tokens sum_i b_i v_i,   dw = du * g,   dg = du * w.
-
-:func:`attention_residual` is the one entry point. Dispatch table (``backend``, resolved by
-:func:`resolve_backend`: argument > ``$DEPTHFUSION_BACKEND`` > the config's ``op_backend`` > automatic):
+:func:`attention_residual` is the one entry point. It validates, decides the compute dtype (below), picks the
+backend with :func:`resolve_backend` (argument > ``$DEPTHFUSION_BACKEND`` > the config's ``op_backend`` >
+automatic: Triton for CUDA tensors when it imports, else torch), and calls one implementation:
 
 ============  ====================================================  =====================  ===============
 backend       implementation                                        compute dtypes         create_graph
@@ -27,18 +25,16 @@ triton        ``attnres_triton.py``: fused kernels, CUDA tensors     fp32, bf16,
               (CPU under ``TRITON_INTERPRET=1``)                     D <= its ``MAX_DIM``
 ============  ====================================================  =====================  ===============
 
-Automatic is Triton for CUDA tensors when it imports, else torch. Work the kernel cannot compute (a float64
-compute dtype, D past ``MAX_DIM``) asked of Triton runs on torch. fp32 on CUDA stays on the kernel: its
-products are elementwise fp32 FMAs and row sums (no tensor-core matmul, so TF32 never applies).
+Work the kernel cannot compute (a float64 compute dtype, D past ``MAX_DIM``) asked of Triton runs on torch. fp32
+on CUDA stays on the kernel (elementwise fp32 FMAs and row sums: no tensor-core matmul, so TF32 never applies).
 
-**Compute dtype**, decided here once for every backend: under autocast on the tensors' device the autocast
-dtype (like SDPA), else the promoted dtype of the floating inputs (query, key-norm weight, sources). Every
-input is cast to it (so mixed inputs, e.g. an fp32 embedding beside bf16 outputs under autocast, reach each
-implementation as one dtype); the implementations accumulate in fp32 (float64 stays float64) with autocast
-off, and return h in the compute dtype and alpha in the accumulation dtype.
+**Compute dtype**, one for every backend: under autocast on the tensors' device the autocast dtype (like SDPA),
+else the promoted dtype of the inputs (query, key-norm weight, sources). Every input is cast to it (an fp32
+embedding beside bf16 outputs under autocast reaches the implementation as bf16); the implementations accumulate
+in fp32 (float64 stays float64) with autocast off, and return h in the compute dtype, alpha in fp32 (float64).
 
-This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next
-to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next to the
+model code by ``save_pretrained`` for ``trust_remote_code`` loading.
 """
 
 import functools
@@ -153,11 +149,9 @@ def check_attnres_inputs(query, sources, key_norm_weight, eps, return_weights) -
 
 def _check_one_by_one(query, sources, key_norm_weight, eps, return_weights) -> set[torch.dtype]:
     """:func:`check_attnres_inputs` one input at a time, to name what is wrong."""
-    if not isinstance(sources, (list, tuple)):
-        raise ValueError(f"sources must be a sequence (list or tuple) of N >= 1 tensors [B, T, D] or one tensor "
-                         f"[N, B, T, D]; got {_describe(sources)}")
-    if len(sources) == 0:
-        raise ValueError("sources must hold at least one tensor (N >= 1)")
+    if not isinstance(sources, (list, tuple)) or len(sources) == 0:
+        raise ValueError(f"sources must be a sequence (list or tuple) of N >= 1 tensors [B, T, D] (at least one tensor)"
+                         f" or one tensor [N, B, T, D]; got {_describe(sources)}")
     for name, x in [(f"sources[{i}]", v) for i, v in enumerate(sources)] + [("query", query),
                                                                             ("key_norm_weight", key_norm_weight)]:
         if not isinstance(x, torch.Tensor):
@@ -184,16 +178,11 @@ def _check_one_by_one(query, sources, key_norm_weight, eps, return_weights) -> s
     return {x.dtype for x in (query, key_norm_weight, *sources)}
 
 
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Where the logits, softmax and sums run: float32, or float64 for float64 work."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def attnres_reference(query, sources, key_norm_weight, eps):
     """The paper's formula, a loop over the sources (query [D], N sources [B, T, D], key_norm_weight [D]) in the
     accumulation dtype; autograd differentiates it. Returns ``(h [B, T, D] in the sources' dtype, alpha [B, T, N])``.
     """
-    acc = accumulation_dtype(sources[0].dtype)
+    acc = torch.promote_types(sources[0].dtype, torch.float32)  # the accumulation dtype: fp32 or float64
     w, g = query.to(acc), key_norm_weight.to(acc)
     xs = [v.to(acc) for v in sources]
     logits = [(g * x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * w).sum(dim=-1) for x in xs]
@@ -223,7 +212,7 @@ def attnres_torch_forward(query, sources, key_norm_weight, eps):
     stacked into a transient [B, T, N, D] buffer and computed in a few operators whatever N; larger ones
     (training) in a loop over the list, a few operators per source."""
     dtype = sources[0].dtype
-    acc = accumulation_dtype(dtype)
+    acc = torch.promote_types(dtype, torch.float32)
     u = query * key_norm_weight if dtype == acc else query.to(acc) * key_norm_weight.to(acc)
     if sources[0].numel() <= SMALL_NUMEL:
         x = torch.stack(sources, dim=-2) if dtype == acc else torch.stack(sources, dim=-2).to(acc)

@@ -197,8 +197,9 @@ def _tile(dim: int, elements: int) -> tuple[int, int]:
 
 
 def _num_warps(block_t: int, block_d: int) -> int:
-    """Warps per program: about 512 tile elements per warp, 4 to 16."""
-    return 1 if _INTERPRET else min(16, max(4, block_t * block_d // 512))
+    """Warps per program: about 512 tile elements per warp, 4 to 8 (16 would cap a thread at 128 registers: the
+    forward's unrolled sources spill there)."""
+    return 1 if _INTERPRET else min(8, max(4, block_t * block_d // 512))
 
 
 def _launches(tensors: list[torch.Tensor]):
@@ -245,9 +246,9 @@ class _TritonAttentionResidual(torch.autograd.Function):
         p, r = (torch.empty((tokens, n_src), dtype=torch.float32, device=device) for _ in range(2))
         lse = torch.empty(tokens, dtype=torch.float32, device=device)
         chained = n_src > SOURCES_PER_LAUNCH
-        state = (torch.empty_like(lse), torch.empty_like(lse), torch.empty((tokens, dim), dtype=torch.float32,
-                                                                          device=device)) if chained else (lse,) * 3
-        block_t, block_d = _tile(dim, 8192)
+        state = (torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(h, dtype=torch.float32)) if chained \
+            else (lse,) * 3  # the online softmax carried between chained launches (unused by a single one)
+        block_t, block_d = _tile(dim, 4096)
         with _on(device):
             for first, ptrs, count in _launches(xs) if tokens > 0 else ():
                 attnres_fwd_kernel[(triton.cdiv(tokens, block_t),)](
@@ -313,17 +314,10 @@ class _TritonAttentionResidual(torch.autograd.Function):
 def triton_attention_residual(
     query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused Attention Residuals, differentiable (first order) in query, key_norm_weight and every source.
-
-    Args:
-        query: [D] (fp32, fp16 or bf16). sources: N tensors [B, T, D] of one dtype (fp32, fp16 or bf16),
-            shape and device (CUDA, or CPU under ``TRITON_INTERPRET=1``); non-contiguous ones are copied.
-        key_norm_weight: [D]. eps: RMSNorm epsilon.
-    Returns:
-        ``(h, alpha)``: h [B, T, D] in the sources' dtype (fp32 accumulation), alpha [B, T, N] fp32.
-    Raises:
-        ValueError: for inputs the kernels cannot compute (mixed dtypes, float64, D > ``MAX_DIM``, non-CUDA).
-    """
+    """Fused Attention Residuals, differentiable (first order): query [D], N sources [B, T, D] of one dtype (fp32,
+    fp16 or bf16), shape and device (CUDA, or CPU under ``TRITON_INTERPRET=1``; non-contiguous ones are copied),
+    key_norm_weight [D] -> ``(h [B, T, D] in the sources' dtype, alpha [B, T, N] fp32)``. Raises ValueError for
+    inputs the kernels cannot compute (mixed dtypes, float64, D > ``MAX_DIM``, a device other than CUDA)."""
     sources = list(sources)
     _check(query, sources, key_norm_weight)
     return _TritonAttentionResidual.apply(query, key_norm_weight, float(eps), *sources)

@@ -48,7 +48,8 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
     Raises:
         ValueError: unless exactly one of the two is given, it has the shape above with at least one
             token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
-            which holds no values). On CUDA an id out of range fails asynchronously instead: a device-side assertion, raised as a RuntimeError at the next sync.
+            which holds no values). On CUDA and under ``torch.compile`` an id out of range fails as an op
+            instead: a RuntimeError (on CUDA a device-side assertion, raised at the next sync).
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -65,9 +66,9 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
     if input_ids.device.type == "meta":
         return  # no values to check: the meta device only sizes and plans models
     out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
-    if input_ids.device.type == "cuda":
-        # No host sync per forward (it would stall every training and decoding step): the check runs on the
-        # device and fails the next synchronising call with this message.
+    if input_ids.device.type == "cuda" or torch.compiler.is_compiling():
+        # No host sync per forward (it would stall every training and decoding step, and break a compiled graph):
+        # the check runs as an op and fails (on CUDA: at the next synchronising call) with this message.
         torch._assert_async(~out_of_range, f"input_ids must lie in [0, vocab_size={vocab_size})")
     elif bool(out_of_range):
         raise ValueError(
@@ -77,11 +78,8 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
 
 
 class AttnResMix(nn.Module):
-    """One Attention Residuals call: ``sum_i softmax_i(w . RMSNorm(s_i)) s_i`` over the sources, per token.
-
-    Parameters: ``query`` w [D] (zero at init, so the call starts as a uniform average) and
-    ``key_norm_weight`` [D] (the key RMSNorm's weight, ones at init).
-    """
+    """One Attention Residuals call, ``sum_i softmax_i(w . RMSNorm(s_i)) s_i`` per token: ``query`` w [D] (zero at
+    init: a uniform average) and ``key_norm_weight`` [D] (the key RMSNorm's weight, ones at init)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
