@@ -39,7 +39,13 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, set_seed
 
 from depthfusion_hf.convert import llama_config_fields
-from depthfusion_hf.data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer
+from depthfusion_hf.data.corpus import (
+    MIN_BPE_VOCAB,
+    load_documents,
+    pack_into_blocks,
+    split_documents,
+    train_bpe_tokenizer,
+)
 from depthfusion_hf.families import FAMILIES, causal_lm_families
 from depthfusion_hf.recipes.checkpoints import (
     TOKENIZER_FIELDS,
@@ -72,7 +78,6 @@ from depthfusion_hf.safe_folder import check_target
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "configs" / "clm_small.json"
-MIN_BPE_VOCAB = 258  # byte-level BPE: the 256 byte tokens and the two special tokens
 
 
 def integer(minimum: int, maximum: int | None = None):
@@ -112,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=causal_lm_families(), default="denseformer",
                    help="the depth-fusion family to train")
     p.add_argument("--no_baseline", action="store_true", help="skip the same-depth Llama baseline")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write the final folders beside entries this package did not write (kept) and replace files "
+                        "of an earlier export that were edited since (a warning names them)")
     p.add_argument("--config", default=None,
                    help=f"model config JSON (Llama-style fields; default {DEFAULT_CONFIG.relative_to(REPO)}); on a "
                         "resume, fields given here must match the checkpoint's")
@@ -269,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if is_main_process():  # fail now, not after training, when a final folder would replace what we did not write
         for kind in [args.model] + ([] if args.no_baseline else [BASELINE]):
-            check_target(out / kind / "final")
+            check_target(out / kind / "final", overwrite=args.overwrite)
         check_results_files(out)
     arch = load_arch(args.config or DEFAULT_CONFIG, args.model)
     kwargs = family_kwargs(args.model, args)
@@ -316,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer_class = functools.partial(DepthFusionTrainer, new_names=new_names,
                                       new_param_lr_scale=args.new_param_lr_scale)
     runs = [train_one(name, model, train, val, out / args.model, settings, tokenizer, checkpoint,
-                      trainer_class=trainer_class, analyse=analyse if plot is not None else None)]
+                      trainer_class=trainer_class, analyse=analyse if plot is not None else None,
+                      overwrite=args.overwrite)]
     if not args.no_baseline:
         set_seed(args.seed)
         base_arch = baseline_arch(model)
@@ -327,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
         if base_resume is not None:
             check_baseline_checkpoint(base_resume, baseline)
         runs.append(train_one(f"{BASELINE} (baseline)", baseline, train, val, out / BASELINE, settings, tokenizer,
-                              base_resume))
+                              base_resume, overwrite=args.overwrite))
 
     table = results_table(runs)
     print("\n" + table + "\n")

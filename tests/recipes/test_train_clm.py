@@ -104,6 +104,21 @@ def test_bad_arguments_and_foreign_final_folders_are_rejected_before_training(tm
     assert (final / "config.json").read_text() == "{}"
 
 
+
+def test_overwrite_writes_final_folders_beside_foreign_entries(tmp_path):
+    """--overwrite: a final folder holding the user's notes is written into, the notes kept; without it the run
+    stops before training (the error names the option)."""
+    out = tmp_path / "run"
+    final = out / "denseformer" / "final"
+    final.mkdir(parents=True)
+    (final / "notes.txt").write_text("mine")
+    args = TINY + ["--max_steps", "2", "--eval_steps", "0", "--no_baseline", "--output_dir", str(out)]
+    proc = train_clm(args, tmp_path)
+    assert proc.returncode == 1 and "notes.txt" in proc.stderr and "--overwrite" in proc.stderr
+    proc = train_clm(args + ["--overwrite"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (final / "notes.txt").read_text() == "mine" and (final / "config.json").is_file()
+
 def test_trainer_does_not_decay_dwa_weights(tmp_path):
     from transformers import TrainingArguments
 

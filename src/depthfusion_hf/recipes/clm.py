@@ -348,11 +348,14 @@ def train_one(
     resume_from_checkpoint: str | bool | None = None,
     trainer_class: Callable[..., Trainer] = DepthFusionTrainer,
     analyse: Callable[[PreTrainedModel], object] | None = None,
+    overwrite: bool = False,
 ) -> RunResult:
     """Train ``model`` with the ``Trainer``, evaluate it, and save a remote-code folder to ``output_dir/final``.
 
     ``output_dir/final`` must be missing, empty or a previous export of this package (see
     ``remote_code.save_model_folder``); check it with ``safe_folder.check_target`` before training.
+    ``overwrite``: write ``final`` beside foreign entries and replace edited files the export writes again
+    (``save_model_folder``'s rule; a warning names them).
     ``trainer_class`` builds the trainer from ``model``, ``args``, ``train_dataset`` and ``eval_dataset`` keywords
     (a ``DepthFusionTrainer`` subclass or a ``functools.partial`` adding callbacks; see ``recipes/study/``).
     ``analyse`` is called on the main process with the trained, unsharded model (under FSDP / DeepSpeed the
@@ -383,7 +386,7 @@ def train_one(
     if trainer.is_world_process_zero():
         # a remote-code folder (the Llama baseline: a plain one), marked; never replaces what we did not write
         try:
-            save_model_folder(to_save, output_dir / "final", tokenizer=tokenizer)
+            save_model_folder(to_save, output_dir / "final", tokenizer=tokenizer, overwrite=overwrite)
         except Exception as error:
             full = full_disk_error(error, output_dir)
             if full is not None:
