@@ -17,6 +17,8 @@ from transformers import AutoModel
 from transformers import initialization as init
 from transformers.modeling_outputs import TokenClassifierOutput
 from transformers.modeling_utils import PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
 
 from .configuration_dwatt import DWAttConfig
 from .fusion_dwatt import FUSION_HEADS, DWAttDepthAttention
@@ -269,7 +271,7 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
         output_depth_attentions: bool | None = None,
         output_hidden_states: bool | int | list[int] | None = None,
         return_dict: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> DWAttTokenClassifierOutput | tuple:
         """Token logits [B, T, num_labels] (and the mean cross-entropy over labels != -100 when ``labels`` [B, T]).
 
