@@ -215,3 +215,20 @@ def test_training_under_cpu_autocast(dtype, forward, monkeypatch):
     for name, g in ref_grads.items():
         assert (grads[name] - g).norm() <= 32 * eps * g.norm(), name
         assert (grads[name] - truth[name]).norm() <= 2 * (g - truth[name]).norm() + 4 * eps * g.norm(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_generate_under_cpu_autocast(dtype, monkeypatch):
+    """Cached ``generate`` under CPU autocast (the fp32 embedding and half-precision outputs cast to the autocast
+    dtype at each call): the reference backend's tokens, and per-step scores to the half type's rounding."""
+    model = make_model(3, torch.float32)
+    ids = ids_of((2, 5))
+    out = {}
+    for backend in ("torch", "reference"):
+        monkeypatch.setenv("DEPTHFUSION_BACKEND", backend)
+        with torch.autocast("cpu", dtype=dtype):
+            out[backend] = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                          output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(out["torch"].sequences, out["reference"].sequences)
+    for got, want in zip(out["torch"].scores, out["reference"].scores):
+        assert (got - want).abs().max() <= 8 * torch.finfo(dtype).eps * want.abs().max()

@@ -1,5 +1,7 @@
 """AttnRes model: full and block AttnRes against the paper's loop, zero-query init, HF behaviour."""
 
+import functools
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -312,3 +314,46 @@ def test_device_map_auto_and_disk_offload_give_the_same_logits(tmp_path):
         torch.testing.assert_close(offloaded(ids).logits, expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(offloaded.depth_attention_weights(ids),
                                    model.depth_attention_weights(ids), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_utils_checkpoint_from_outside(reentrant):
+    """``torch.utils.checkpoint`` applied to every decoder layer from outside the model (as FSDP's or a user's
+    wrapper does, not ``gradient_checkpointing_enable``): the layers keep no state between forward and
+    recomputation, so the loss and every gradient equal the plain model's (float64). Without a KV cache, as
+    transformers' own checkpointing sets (a recomputed attention would append to the cache a second time)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = AttnResForCausalLM(tiny_config(attnres_block_size=3)).double().train()
+    randomise_attnres(model)
+    ids = torch.randint(3, 97, (2, 8))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain_loss, plain = loss_and_grads()
+    for layer in model.model.layers:
+        forward = layer.forward
+        layer.forward = lambda *args, _f=forward, **kwargs: checkpoint(  # tensors positional: reentrant passes grads
+            functools.partial(_f, **kwargs), *args, use_reentrant=reentrant)
+    loss, grads = loss_and_grads()
+    assert torch.equal(loss, plain_loss)
+    for name, g in plain.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-12, atol=1e-14, msg=name)
+
+
+@pytest.mark.parametrize("block_size", [None, 3])
+def test_forward_on_the_meta_device(block_size):
+    """A model built and run on the meta device (to size and plan it, as a Llama can): the logits' shape, depth
+    weights included (issue 19: before, the op's autocast query failed on 'meta')."""
+    with torch.device("meta"):
+        model = AttnResForCausalLM(tiny_config(attnres_block_size=block_size))
+        ids = torch.ones(2, 5, dtype=torch.long)
+        out = model.model(ids, output_depth_weights=True)
+        logits = model(ids, labels=ids).logits
+    assert logits.is_meta and logits.shape == (2, 5, 97)
+    assert len(out.depth_weights) == 2 * LAYERS and all(w.is_meta for w in out.depth_weights)
