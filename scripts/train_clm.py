@@ -164,6 +164,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output_dir", default="outputs/clm")
     add_family_options(p)  # each family's own options (--dwa_dilation, --moda_ffn_kv, ...), from the registry
     args = p.parse_args(argv)
+    for kind in causal_lm_families():  # another family's option would be ignored: a default model trained
+        given = [] if kind == args.model else family_kwargs(kind, args)
+        if given:
+            p.error(f"--{next(iter(given))} is an option of --model {kind}, not of --model {args.model}")
     if args.new_param_lr_scale != 1.0 and args.init_from is None:
         p.error("--new_param_lr_scale applies to upcycling: give --init_from (a Llama checkpoint) with it")
     try:

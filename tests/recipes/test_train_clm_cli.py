@@ -115,6 +115,18 @@ def test_a_family_config_file_needs_its_own_model():
 
 
 
+@pytest.mark.parametrize("argv,option,owner", [
+    (["--attnres_block_size", "2"], "--attnres_block_size", "attnres"),  # --model left at its default
+    (["--model", "denseformer", "--norm_position", "post"], "--norm_position", "moda"),
+    (["--model", "moda", "--dwa_period", "2"], "--dwa_period", "denseformer"),
+    (["--model", "attnres", "--hc_mult", "2"], "--hc_mult", "mhc"),
+])
+def test_an_option_of_another_family_is_refused_naming_it(argv, option, owner):
+    """An option of a family other than ``--model`` would be silently ignored (a default model trained)."""
+    code, err = parse(*argv)
+    assert code == 2 and f"{option} is an option of --model {owner}" in err, err
+
+
 @pytest.mark.parametrize("key,near", [("num_hiden_layers", "num_hidden_layers"), ("hidden_sise", "hidden_size"),
                                       ("rms_norm_epsilon", "rms_norm_eps"), ("tie_word_embedding",
                                                                               "tie_word_embeddings")])
