@@ -49,8 +49,8 @@ triton, tl, _TRITON_IMPORT_ERROR = import_triton()
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Largest hidden size: a program holds whole rows (larger rows would spill registers).
-MAX_DIM = 1 << 14
+# Largest hidden size: a program holds whole rows (at 16,384 every kernel spills registers, sm_80 and sm_90).
+MAX_DIM = 1 << 13
 SOURCES_PER_LAUNCH = 8  # pointer arguments per launch (x0..x7)
 
 # Interpreted runs: elements per token tile and the number of backward programs (tests lower them to
@@ -197,9 +197,9 @@ def _tile(dim: int, elements: int) -> tuple[int, int]:
 
 
 def _num_warps(block_t: int, block_d: int) -> int:
-    """Warps per program: about 512 tile elements per warp, 4 to 8 (16 would cap a thread at 128 registers: the
-    forward's unrolled sources spill there)."""
-    return 1 if _INTERPRET else min(8, max(4, block_t * block_d // 512))
+    """Warps per program: 4 to 8 for tiles of up to 4,096 elements (16 would cap a thread at 128 registers, where
+    the forward's unrolled sources spill), 16 for one longer row (8 would leave too many elements per thread)."""
+    return 1 if _INTERPRET else 16 if block_t * block_d > 4096 else max(4, block_t * block_d // 512)
 
 
 def _launches(tensors: list[torch.Tensor]):
