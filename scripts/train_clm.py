@@ -12,8 +12,10 @@ run stops before training with an error naming them.
 Upcycling (``--init_from LLAMA``) trains with the Llama folder's own tokenizer. Every checkpoint
 (``--save_steps N``) holds the tokenizer and the model config; a resume (``--resume_from_checkpoint
 latest|FOLDER``; ``latest`` counts complete checkpoints only) continues the checkpoint's model with its
-tokenizer, and refuses options that disagree with it, naming them. ``results.json`` records the data
-used (local files by name and sha256, a Hub id with its configuration, a built-in corpus by name).
+tokenizer, and refuses options that disagree with it (the architecture, ``--init_from``,
+``--new_param_lr_scale``), naming them. ``results.json`` records the data used (local files by name and
+sha256, a Hub id with its configuration, a built-in corpus by name; after a resume on other data, each
+stretch's in ``data_history``).
 
 Examples:
     python scripts/train_clm.py
@@ -55,6 +57,7 @@ from depthfusion_hf.recipes.checkpoints import (
     get_last_checkpoint,
     resolve_checkpoint,
     resume_config,
+    resume_run,
     same_vocabulary,
 )
 from depthfusion_hf.recipes.clm import (
@@ -293,6 +296,15 @@ def main(argv: list[str] | None = None) -> dict:
     model_vocab = config.vocab_size if checkpoint is not None else (
         AutoConfig.from_pretrained(args.init_from).vocab_size if args.init_from is not None else None)
     train_docs, val_docs = load_data(args)
+    data = data_record(args.dataset, args.dataset_config, args.train_files, args.validation_files,
+                       args.validation_fraction)
+    # What a resume must repeat or record (checkpoints.resume_run): the Llama upcycled, the new parameters' rate, and
+    # the data of each stretch of training.
+    init_from = args.init_from
+    if init_from is not None and Path(init_from).is_dir():
+        init_from = str(Path(init_from).resolve())  # the same folder however it is spelt
+    run_record = {"init_from": init_from, "new_param_lr_scale": args.new_param_lr_scale, "data": [data]}
+    model_record = resume_run(checkpoint, run_record) if checkpoint is not None else run_record
     tokenizer = run_tokenizer(args, checkpoint, train_docs, model_vocab)
     train = pack_into_blocks(tokenizer, train_docs, args.block_size, args.max_train_blocks)
     val = pack_into_blocks(tokenizer, val_docs, args.block_size, args.max_eval_blocks)
@@ -329,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       new_param_lr_scale=args.new_param_lr_scale)
     runs = [train_one(name, model, train, val, out / args.model, settings, tokenizer, checkpoint,
                       trainer_class=trainer_class, analyse=analyse if plot is not None else None,
-                      overwrite=args.overwrite)]
+                      overwrite=args.overwrite, run_record=model_record)]
     if not args.no_baseline:
         set_seed(args.seed)
         base_arch = baseline_arch(model)
@@ -337,22 +349,25 @@ def main(argv: list[str] | None = None) -> dict:
         # "latest" also resumes the baseline when the interrupted job had reached it.
         base_resume = (get_last_checkpoint(out / BASELINE, tokenizer=args.tokenizer is None)
                        if args.resume_from_checkpoint == "latest" else None)
+        base_record = run_record
         if base_resume is not None:
             check_baseline_checkpoint(base_resume, baseline)
+            base_record = resume_run(base_resume, run_record)
         runs.append(train_one(f"{BASELINE} (baseline)", baseline, train, val, out / BASELINE, settings, tokenizer,
-                              base_resume, overwrite=args.overwrite))
+                              base_resume, overwrite=args.overwrite, run_record=base_record))
 
     table = results_table(runs)
     print("\n" + table + "\n")
     results = {
         "args": vars(args),
         # the data actually used: local files by name and sha256, a Hub id with its configuration, a built-in corpus
-        "data": data_record(args.dataset, args.dataset_config, args.train_files, args.validation_files,
-                            args.validation_fraction),
+        "data": data,
         "settings": asdict(settings),
         "runs": [{k: v for k, v in asdict(r).items()} | {"perplexity": r.perplexity} for r in runs],
         "table": table,
     }
+    if len(model_record["data"]) > 1:  # resumed on other data: each stretch's, in order
+        results["data_history"] = model_record["data"]
     if main_process:
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
         (out / "results.md").write_text(table + "\n")

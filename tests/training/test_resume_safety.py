@@ -319,3 +319,91 @@ def test_a_baseline_checkpoint_of_another_llama_is_refused(tmp_path):
     baseline = LlamaForCausalLM(LlamaConfig(**(ARCH | {"num_hidden_layers": 3}), vocab_size=120))
     with pytest.raises(ValueError, match="holds another Llama than this run's baseline: num_hidden_layers: this run 3"):
         train_clm.check_baseline_checkpoint(str(tmp_path / "ckpt"), baseline)
+
+
+# --- what the run was: the Llama it upcycled, the new parameters' rate, the data of each stretch ----------------
+
+def tiny_llama(folder: Path) -> Path:
+    """A random 2-layer Llama of ARCH's shape saved with its own BPE tokenizer (300 tokens)."""
+    from transformers import LlamaForCausalLM
+
+    from depthfusion_hf.data.corpus import load_documents, train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(load_documents()[:40], 300)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**ARCH, vocab_size=300, bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                     ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def upcycled_run(tmp_path_factory, arch_file, corpus_file):
+    """An AttnRes upcycled from a tiny Llama, its new parameters at 10x the rate: 2 steps, a checkpoint at 2."""
+    root = tmp_path_factory.mktemp("upcycled")
+    llama = tiny_llama(root / "llama")
+    upcycle = ["--init_from", str(llama), "--new_param_lr_scale", "10"]
+    train_clm.main(run_args(arch_file, corpus_file, root / "run", steps=2) + upcycle)
+    return root / "run", upcycle
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda upcycle: [], "--init_from None, the checkpoint's run had --init_from .*llama"),
+    (lambda upcycle: upcycle[:2] + ["--new_param_lr_scale", "3"],
+     "--new_param_lr_scale 3.0, the checkpoint's run had --new_param_lr_scale 10.0"),
+])
+def test_a_resume_of_an_upcycled_run_keeps_its_llama_and_rate(upcycled_run, tmp_path, arch_file, corpus_file, change,
+                                                             message):
+    """Before, leaving --init_from out trained the baseline from a random Llama instead of the upcycled one (and a
+    changed --new_param_lr_scale failed deep in the optimizer's state, or was silently replaced by the saved rates)."""
+    run_out, upcycle = upcycled_run
+    shutil.copytree(run_out / "attnres", tmp_path / "attnres")
+    with pytest.raises(ValueError, match=rf"holds a run of other settings than this command line: {message}"):
+        train_clm.main(run_args(arch_file, corpus_file, tmp_path, steps=3) + change(upcycle)
+                       + ["--resume_from_checkpoint", "latest"])
+    resumed = train_clm.main(run_args(arch_file, corpus_file, tmp_path, steps=3) + upcycle
+                             + ["--resume_from_checkpoint", "latest"])
+    assert max(h["step"] for h in resumed["runs"][0]["log_history"]) == 3
+
+
+def test_a_resume_on_other_data_records_each_stretch(block2_run, tmp_path, arch_file, corpus_file):
+    """Before, the record named only the data of the last stretch (the model card: trained on that alone)."""
+    copy_checkpoint(block2_run[0], 2, tmp_path)
+    changed = tmp_path / "changed.txt"
+    changed.write_text(corpus_file.read_text(encoding="utf-8")[::-1], encoding="utf-8")
+    with pytest.warns(UserWarning, match="resuming .*checkpoint-2 on other data than it was trained on"):
+        resumed = train_clm.main(run_args(arch_file, changed, tmp_path) + ["--resume_from_checkpoint", "latest"])
+    assert [d["files"][0]["name"] for d in resumed["data_history"]] == [corpus_file.name, changed.name]
+    assert resumed["data"] == resumed["data_history"][-1]
+    saved = json.loads((tmp_path / "attnres" / "checkpoint-4" / checkpoints.RUN_FILE).read_text())
+    assert saved["data"] == resumed["data_history"]  # a further resume keeps the whole history
+
+
+def test_a_checkpoint_whose_tokenizer_save_was_cut_short_is_incomplete(block2_run, tmp_path, monkeypatch):
+    """transformers writes tokenizer_config.json (the mark of a complete checkpoint) before tokenizer.json: a job killed
+    in between left a 'complete' checkpoint that the resume could not load ("Couldn't instantiate the backend
+    tokenizer"), and ``latest`` did not fall back to the one before."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl
+
+    checkpoint = copy_checkpoint(block2_run[0], 4, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        (checkpoint / name).unlink()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the job stops after tokenizer_config.json was written
+
+    monkeypatch.setattr(type(tokenizer), "_save_pretrained", killed)
+    extras = checkpoints.CheckpointExtras(tokenizer, AutoConfig.from_pretrained(checkpoint))
+    with pytest.raises(KeyboardInterrupt):
+        extras.on_save(SimpleNamespace(output_dir=str(tmp_path / "attnres")),
+                       SimpleNamespace(is_world_process_zero=True, global_step=4), TrainerControl())
+    assert any("tokenizer_config.json" in problem for problem in checkpoint_problems(checkpoint))
+    monkeypatch.undo()
+    extras.on_save(SimpleNamespace(output_dir=str(tmp_path / "attnres")),
+                   SimpleNamespace(is_world_process_zero=True, global_step=4), TrainerControl())
+    assert checkpoint_problems(checkpoint) == []
+    assert AutoTokenizer.from_pretrained(checkpoint).get_vocab() == tokenizer.get_vocab()

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import shutil
+import tempfile
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -29,6 +31,9 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 NOT_ARCHITECTURE = frozenset(PretrainedConfig.__dataclass_fields__) | {"use_cache", "op_backend", "initializer_range"}
 # What a run takes from its tokenizer, not from the model config file.
 TOKENIZER_FIELDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+# The run record in every checkpoint (see CheckpointExtras), and the settings in it a resume must repeat.
+RUN_FILE = "depthfusion_run.json"
+RUN_SETTINGS = ("init_from", "new_param_lr_scale")
 # Below this many free bytes on the output's disk, a failed save is reported as a full disk.
 FULL_DISK_BYTES = 16 * 2**20
 
@@ -210,25 +215,68 @@ def same_vocabulary(first, second) -> bool:
     return first.get_vocab() == second.get_vocab()
 
 
+def resume_run(checkpoint: str | Path, run: Mapping[str, object]) -> dict:
+    """The run record to carry on from ``checkpoint``: ``run`` (see :class:`CheckpointExtras`) once its settings agree
+    with the checkpoint's, its ``data`` the checkpoint's stretches plus this one's when the data differ (warned).
+
+    A checkpoint written before checkpoints held the record is taken as it is (``run`` is returned).
+
+    Raises:
+        ValueError: a setting of ``RUN_SETTINGS`` differs (names each ``--option`` and both values): the Llama an
+            upcycled run continues (its baseline starts from it) or the new parameters' rate (the optimizer's groups).
+    """
+    path = Path(checkpoint) / RUN_FILE
+    if not path.is_file():
+        return dict(run)
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    wrong = [f"--{name} {run[name]!r}, the checkpoint's run had --{name} {saved.get(name)!r}" for name in RUN_SETTINGS
+             if saved.get(name) != run[name]]
+    if wrong:
+        raise ValueError(f"{checkpoint} holds a run of other settings than this command line: {'; '.join(wrong)}. "
+                         "Give the checkpoint's settings, or train a new model in another --output_dir")
+    history = saved.get("data") or []
+    if history[-1:] == list(run["data"]):
+        return dict(run) | {"data": history}
+    warnings.warn(f"resuming {checkpoint} on other data than it was trained on: {history[-1:]} then {run['data']} "
+                  "(results.json records both as data_history)", stacklevel=2)
+    return dict(run) | {"data": history + list(run["data"])}
+
+
 class CheckpointExtras(TrainerCallback):
-    """Writes the tokenizer and the model config into every checkpoint the ``Trainer`` saves (on the main process).
+    """Writes the model config, the run record and the tokenizer into every checkpoint the ``Trainer`` saves (on the
+    main process; the tokenizer last: ``tokenizer_config.json`` marks the checkpoint complete).
 
     The ``Trainer`` saves neither the tokenizer (unless it was given one as ``processing_class``, which also changes
-    its data collator) nor, under FSDP's sharded state dicts, the config; a resume needs both.
+    its data collator) nor, under FSDP's sharded state dicts, the config; a resume needs both. The run record
+    (``RUN_FILE``: ``RUN_SETTINGS`` and ``data``, the data record of each stretch of training) is what a resume must
+    keep or record (:func:`resume_run`).
     """
 
-    def __init__(self, tokenizer, config: PretrainedConfig):
+    def __init__(self, tokenizer, config: PretrainedConfig, run: Mapping[str, object] | None = None):
         self.tokenizer = tokenizer
         self.config = config
+        self.run = run
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if not (folder / "config.json").is_file():
                 self.config.save_pretrained(folder)
+            if self.run is not None:
+                (folder / RUN_FILE).write_text(json.dumps(self.run, indent=1), encoding="utf-8")
             if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(folder)
+                save_tokenizer(self.tokenizer, folder)
         return control
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """``tokenizer.save_pretrained(folder)`` with ``tokenizer_config.json`` written last (transformers writes it
+    first): a save cut short leaves a checkpoint without it, which counts as incomplete."""
+    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder))
+    tokenizer.save_pretrained(staging)
+    for path in sorted(staging.iterdir(), key=lambda path: path.name == "tokenizer_config.json"):
+        os.replace(path, folder / path.name)
+    staging.rmdir()
 
 
 def full_disk_error(error: BaseException, folder: str | Path) -> OSError | None:
@@ -263,5 +311,6 @@ __all__ = [
     "get_last_checkpoint",
     "resolve_checkpoint",
     "resume_config",
+    "resume_run",
     "same_vocabulary",
 ]

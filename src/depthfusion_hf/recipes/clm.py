@@ -349,6 +349,7 @@ def train_one(
     trainer_class: Callable[..., Trainer] = DepthFusionTrainer,
     analyse: Callable[[PreTrainedModel], object] | None = None,
     overwrite: bool = False,
+    run_record: dict | None = None,
 ) -> RunResult:
     """Train ``model`` with the ``Trainer``, evaluate it, and save a remote-code folder to ``output_dir/final``.
 
@@ -362,11 +363,12 @@ def train_one(
     gathered copy that is saved), e.g. for the family's analysis plot.
     ``resume_from_checkpoint``: a complete checkpoint folder (see ``checkpoints.resolve_checkpoint``; ``True``
     lets the Trainer pick one, without the completeness check). Every checkpoint written holds the tokenizer and
-    the model config; a save that fails on a full disk raises ``OSError(ENOSPC)`` naming the folder.
+    the model config (and ``run_record``, see ``checkpoints.CheckpointExtras``); a save that fails on a full disk
+    raises ``OSError(ENOSPC)`` naming the folder.
     """
     args = training_arguments(output_dir, settings)
     trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
-    trainer.add_callback(CheckpointExtras(tokenizer, model.config))  # every checkpoint holds tokenizer and config
+    trainer.add_callback(CheckpointExtras(tokenizer, model.config, run_record))  # every checkpoint holds them
     warn_if_sharding_dropped(trainer)
     start = time.perf_counter()
     try:
