@@ -171,3 +171,14 @@ def test_inputs_at_the_position_limit_run(kind, length):
     labels[0, 3] = 4
     out = model(input_ids=torch.randint(5, 20, (1, length)), labels=labels)
     assert out.logits.shape == (1, length, 5) and torch.isfinite(out.loss)
+
+
+def test_a_training_step_with_labels_and_token_types_compiles_whole():
+    """The label and token-type checks run as ops under ``torch.compile``, as the token-id check does (a host read
+    of a tensor is a data-dependent guard: ``fullgraph=True`` failed on 'Eq(u0, 1)' as soon as labels were given)."""
+    model = tiny_model("dwatt")
+    inputs = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "token_type_ids": torch.tensor([[0, 0, 1, 1]]),
+              "position_ids": torch.tensor([[0, 1, 2, 3]]), "labels": torch.tensor([[0, 1, 2, -100]])}
+    eager = model(**inputs).loss
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(**inputs).loss, eager, rtol=0, atol=0)

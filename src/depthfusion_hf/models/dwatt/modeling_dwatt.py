@@ -66,13 +66,14 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
 
 def check_index_range(name: str, ids: torch.Tensor, limit: int, what: str) -> None:
     """Raise a ValueError naming ``name`` and ``what`` unless every entry of the integer tensor ``ids`` lies in
-    ``[0, limit)`` (on CUDA a device-side assertion instead: no host sync per forward; nothing on meta)."""
+    ``[0, limit)`` (on CUDA and under ``torch.compile`` an op instead, as in ``check_token_inputs``: no host sync
+    per forward, no graph break; nothing on meta)."""
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor; got {ids.dtype}")
     if ids.device.type == "meta" or ids.numel() == 0:
         return
     out_of_range = ((ids < 0) | (ids >= limit)).any()
-    if ids.device.type == "cuda":
+    if ids.device.type == "cuda" or torch.compiler.is_compiling():
         torch._assert_async(~out_of_range, f"{name} must lie in [0, {limit}) ({what})")
     elif bool(out_of_range):
         raise ValueError(f"{name} must lie in [0, {limit}) ({what}); got min {int(ids.min())}, max {int(ids.max())}")
