@@ -204,7 +204,7 @@ class DenseFormerPreTrainedModel(LlamaPreTrainedModel):
     config: DenseFormerConfig
     config_class = DenseFormerConfig
     _no_split_modules = ["DenseFormerDecoderLayer"]
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True  # one-token StaticCache decoding steps compile whole (issue 21)
     _can_record_outputs = {
         "hidden_states": DenseFormerDecoderLayer,
         "attentions": LlamaAttention,
