@@ -85,16 +85,20 @@ def test_torch_backend_equals_reference_in_float64(shape):
     kwargs = dict(sinkhorn_iters=iters, eps=1e-6, norm_eps=NORM_EPS)
     want = hyper_connection(streams, *params, backend="reference", **kwargs)
     got = hyper_connection(streams, *params, backend="torch", **kwargs)
-    for name, g, w in zip(("post", "comb", "collapsed"), got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        assert max_rel(g, w) <= 64 * EPS64, name
+    with torch.no_grad():  # the forward without autograd (_values) is the other formulation of the torch path
+        got_values = hyper_connection(streams, *params, backend="torch", **kwargs)
+    for name, g, v, w in zip(("post", "comb", "collapsed"), got, got_values, want):
+        assert g.shape == v.shape == w.shape and g.dtype == v.dtype == w.dtype
+        assert max_rel(g, w) <= 64 * EPS64 and max_rel(v, w) <= 64 * EPS64, name
     for name, g, w in zip(("streams", "fn", "base", "scale"), grads(got, [streams, *params]),
                           grads(want, [streams, *params])):
         assert max_rel(g, w) <= 256 * EPS64, name
     head_kwargs = dict(eps=1e-6, norm_eps=NORM_EPS)
     want = hyper_head(streams, *head_params, backend="reference", **head_kwargs)
     got = hyper_head(streams, *head_params, backend="torch", **head_kwargs)
-    assert max_rel(got, want) <= 64 * EPS64
+    with torch.no_grad():
+        got_values = hyper_head(streams, *head_params, backend="torch", **head_kwargs)
+    assert max_rel(got, want) <= 64 * EPS64 and max_rel(got_values, want) <= 64 * EPS64
     for g, w in zip(grads(got, [streams, *head_params]), grads(want, [streams, *head_params])):
         assert max_rel(g, w) <= 256 * EPS64
 
@@ -208,13 +212,15 @@ def test_autocast_leaves_the_arithmetic_and_dtypes_alone():
             assert torch.equal(g, w)
 
 
-def test_inference_mode():
-    streams, fn, base, scale = op_inputs(1, 3, 4, 8, requires_grad=False)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_inference_mode_gives_the_autograd_path_numbers(dtype):
+    streams, fn, base, scale = op_inputs(1, 3, 4, 8, dtype)  # requires_grad: the autograd Function
     want = hyper_connection(streams, fn, base, scale, sinkhorn_iters=20, eps=1e-6, norm_eps=NORM_EPS)
+    assert all(w.grad_fn is not None for w in want)
     with torch.inference_mode():
         got = hyper_connection(streams, fn, base, scale, sinkhorn_iters=20, eps=1e-6, norm_eps=NORM_EPS)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    for g, w in zip(got, want):  # the same operations without autograd: the same numbers
+        assert torch.equal(g, w.detach())
 
 
 def test_backend_precedence_argument_environment_config(monkeypatch, caplog):

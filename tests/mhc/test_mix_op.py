@@ -34,6 +34,8 @@ def test_reference_and_torch_backend_are_transformers_formula_in_float64(shape):
         assert max_rel(got, want) <= 16 * EPS64, backend
         for name, g, w in zip(("streams", "output", "post", "comb"), grads(got, inputs), want_grads):
             assert max_rel(g, w) <= 16 * EPS64, (backend, name)
+        with torch.no_grad():  # the torch path without autograd
+            assert max_rel(hyper_mix(*inputs, backend=backend), want) <= 16 * EPS64, backend
 
 
 def test_comb_is_applied_transposed():

@@ -1,50 +1,32 @@
-"""The hyper-connection of manifold-constrained Hyper-Connections (mHC; DeepSeek-V4, Xie et al., 2026): from
-the n residual streams of a token, the weights of one sub-layer and the sub-layer's input.
+"""The hyper-connection of mHC (manifold-constrained Hyper-Connections; ``../shared/PAPERS.md`` §5, transformers'
+``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead``): from a token's streams ``X`` [n, D], the weights of one
+sub-layer and its input. ``fn`` [(2 + n) n, n D] (rows ``[pre | post | comb]``), ``base`` [(2 + n) n], ``scale`` [3]:
 
-For streams ``X`` [n, D] of one token and parameters ``fn`` [(2 + n) n, n D], ``base`` [(2 + n) n],
-``scale`` [3] (transformers' ``DeepseekV4HyperConnection``):
+    m = fn . RMSNorm_unweighted(flatten(X)); pre = sigmoid(scale[0] m_pre + base_pre) + eps;
+    post = 2 sigmoid(scale[1] m_post + base_post); comb = Sinkhorn(softmax_row(scale[2] m_comb + base_comb) + eps);
+    collapsed = sum_j pre_j X_j
 
-    x    = RMSNorm_unweighted(flatten(X))                  [n D]    (eps = norm_eps)
-    m    = fn . x                                          [(2 + n) n] = [m_pre | m_post | m_comb]
-    pre  = sigmoid(scale[0] m_pre  + base_pre)  + eps      [n]
-    post = 2 sigmoid(scale[1] m_post + base_post)          [n]
-    comb = softmax_row(scale[2] m_comb + base_comb) + eps  [n, n]
-    comb = comb / (column sums + eps); then (sinkhorn_iters - 1) times: rows, then columns, likewise
-    collapsed = sum_j pre_j X_j                            [D]      (the sub-layer's input)
-
-The head (``DeepseekV4HyperHead``) is the ``pre`` part alone: ``fn`` [n, n D], ``base`` [n], ``scale`` [1],
-``collapsed = sum_j pre_j X_j`` with ``pre = sigmoid(scale[0] (fn . x) + base) + eps``. The mixing step that
-follows the sub-layer, ``post ⊗ f + comb^T X``, is the op of ``mhc_mix.py``.
-
-Two entry points, :func:`hyper_connection` and :func:`hyper_head`, each with three implementations:
+The head is the ``pre`` part alone (``fn`` [n, n D], ``base`` [n], ``scale`` [1]). The mixing step after the
+sub-layer is ``mhc_mix.py``'s op.
 
 =================  ==========================================================================================
 backend            implementation
 =================  ==========================================================================================
-``"reference"``    :func:`hyper_connection_reference` / :func:`hyper_head_reference`: the formulas above as
-                   transformers writes them (the Sinkhorn loop, a loop over the streams for the collapse);
-                   autograd differentiates them (every order). The oracle.
-``"torch"``        :func:`hyper_connection_torch` / :func:`hyper_head_torch`: one custom autograd Function
-                   (:class:`_HyperConnection`; its backward in torch ops: every order). The norm is applied
-                   after the projection (no normalised copy of the streams) and the Sinkhorn loop runs on two
-                   scaling vectors (:func:`sinkhorn_scalings`: the loop's function, n-vectors per half-step).
-``"triton"``       ``mhc_triton.triton_hyper_connection``: fused kernels (projection with the norm, weights
-                   with the Sinkhorn iterations and the collapse; a backward that recomputes the iterations)
-                   for CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``). First-order only: a backward
-                   with ``create_graph=True`` raises a RuntimeError naming the other backends. Routed to
-                   ``"torch"``: float64 work, more than ``TRITON_MAX_STREAMS`` streams, empty inputs.
+``"reference"``    :func:`hyper_connection_reference` / :func:`hyper_head_reference`: the formulas as
+                   transformers writes them; autograd (every order). The oracle.
+``"torch"``        :func:`hyper_connection_torch` / :func:`hyper_head_torch`: the custom autograd Function
+                   :class:`_HyperConnection` (backward in torch ops: every order) when a gradient is wanted, the
+                   same operations without it (:func:`_values`) otherwise. The norm is applied after the
+                   projection and the Sinkhorn loop runs on two scaling vectors (:func:`sinkhorn_scalings`).
+``"triton"``       ``mhc_triton.triton_hyper_connection``: fused kernels for CUDA tensors (CPU tensors under
+                   ``TRITON_INTERPRET=1``). First order only (``create_graph=True`` raises a RuntimeError).
+                   Routed to ``"torch"``: float64 work, more than ``TRITON_MAX_STREAMS`` streams, empty inputs.
 =================  ==========================================================================================
 
-Which one runs (:func:`resolve_backend`): the ``backend`` argument, else ``$DEPTHFUSION_BACKEND``, else the
-model config's ``op_backend`` (a model passes it), else automatic (Triton for CUDA tensors when it imports,
-else PyTorch).
-
-Dtypes, decided here for every backend: the weights (``pre``, ``post``, ``comb``) are computed and returned in
-float32 whatever the streams' dtype (float64 when the streams or a parameter are float64): the paper keeps the
-mHC arithmetic in fp32. ``collapsed`` is accumulated in that dtype and rounded once to the streams' dtype.
-Autocast does not change either (it is disabled inside the op): the projection is part of the fp32 weight
-computation, not a matmul autocast should lower, and under autocast an fp32 model's streams stay fp32, as a
-Llama's residual does (``x + f(x)`` promotes).
+Which one runs: :func:`resolve_backend`. Dtypes, for every backend: the weights are computed and returned in
+float32 (float64 when an input is float64), the paper's fp32; ``collapsed`` is accumulated in that dtype and
+rounded once to the streams' dtype. Autocast is disabled inside (the projection is part of the fp32 weight
+computation; an fp32 model's streams stay fp32 under autocast, as a Llama's residual does).
 
 Self-contained (``torch`` and same-folder imports only): ``save_pretrained`` copies it next to the model code.
 """
@@ -149,9 +131,10 @@ def check_hyper_connection_inputs(streams, fn, base, scale, sinkhorn_iters, eps,
     check_positive("norm_eps", norm_eps)
 
 
-def _triton_computes(streams: torch.Tensor, dtype: torch.dtype) -> bool:
-    """True when the Triton kernels compute these inputs: fp32 weight arithmetic, a kernel dtype, few enough streams."""
-    return (dtype == torch.float32 and streams.dtype in MHC_TRITON_DTYPES and streams.numel() > 0
+def triton_computes(streams: torch.Tensor, work_dtype: torch.dtype, io_dtype: torch.dtype) -> bool:
+    """True when the Triton kernels compute an op on ``streams``: fp32 arithmetic (``work_dtype``), a result dtype
+    they write (``io_dtype``), a non-empty input and few enough streams (both ops' routing)."""
+    return (work_dtype == torch.float32 and io_dtype in MHC_TRITON_DTYPES and streams.numel() > 0
             and streams.shape[2] <= TRITON_MAX_STREAMS)
 
 
@@ -218,28 +201,33 @@ def hyper_head_reference(streams, fn, base, scale, eps, norm_eps):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def sinkhorn_scalings(matrix: torch.Tensor, iters: int, eps: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def sinkhorn_scalings(matrix: torch.Tensor, iters: int, eps: float,
+                      keep: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The Sinkhorn loop of :func:`hyper_connection_weights_reference` on positive matrices ``A`` [N, n, n], kept as
     scaling vectors: the result is ``A * r s^T``.
 
     A column step ``M / (column sums + eps)`` of ``M = A * r s^T`` is ``v <- A^T r + eps v``, ``s = 1 / v``; a row
     step is ``u <- A s + eps u``, ``r = 1 / u`` (``u = 1``, ``v`` = the column sums + eps after the first step):
-    the loop's function, computed on n-vectors (one batched matrix-vector product and one reciprocal per
-    half-step) instead of normalising the n x n matrix twice per iteration.
+    the loop's function on n-vectors, one ``baddbmm`` and one reciprocal per half-step.
 
     Returns:
-        ``(rows, cols)``: ``rows`` = [r_1 .. r_{iters-1}], ``cols`` = [s_0 .. s_{iters-1}], each [N, n, 1].
+        ``(rows, cols)``: ``rows`` = [r_1 .. r_{iters-1}], ``cols`` = [s_0 .. s_{iters-1}], each [N, n, 1]; with
+        ``keep=False`` only the last of each (what the result needs; the backward needs them all).
     """
+    transposed = matrix.transpose(1, 2)
     v = matrix.sum(1).unsqueeze(-1) + eps  # (N, n, 1)
-    rows, cols = [], [v.reciprocal()]
+    s = v.reciprocal()
+    rows, cols = [], [s]
     u = None
     for _ in range(iters - 1):
-        product = torch.bmm(matrix, cols[-1])
-        u = product + eps if u is None else torch.add(product, u, alpha=eps)
-        rows.append(u.reciprocal())
-        v = torch.add(torch.bmm(matrix.transpose(1, 2), rows[-1]), v, alpha=eps)
-        cols.append(v.reciprocal())
-    return rows, cols
+        u = torch.bmm(matrix, s).add_(eps) if u is None else torch.baddbmm(u, matrix, s, beta=eps)
+        r = u.reciprocal()
+        v = torch.baddbmm(v, transposed, r, beta=eps)
+        s = v.reciprocal()
+        if keep:
+            rows.append(r)
+            cols.append(s)
+    return (rows, cols) if keep else ([r] if iters > 1 else [], [s])
 
 
 def sinkhorn_vjp(grad: torch.Tensor, matrix: torch.Tensor, comb: torch.Tensor, rows: list[torch.Tensor],
@@ -252,6 +240,7 @@ def sinkhorn_vjp(grad: torch.Tensor, matrix: torch.Tensor, comb: torch.Tensor, r
     d_matrix = grad * (s.transpose(1, 2) if r is None else r * s.transpose(1, 2))
     d_v = -weighted.sum(1).unsqueeze(-1) * s
     d_u = -weighted.sum(2, keepdim=True) * r if r is not None else None
+    transposed = matrix.transpose(1, 2)
     lefts, rights = [], []  # d A += lefts[i] rights[i]^T
     for k in range(len(rows) - 1, -1, -1):
         r, s = rows[k], cols[k]  # r_{k+1}, s_k
@@ -263,7 +252,7 @@ def sinkhorn_vjp(grad: torch.Tensor, matrix: torch.Tensor, comb: torch.Tensor, r
         # u_{k+1} = A s_k + eps u_k
         lefts.append(d_u)
         rights.append(s)
-        d_v = torch.addcmul(d_v, torch.bmm(matrix.transpose(1, 2), d_u), s * s, value=-1)
+        d_v = torch.addcmul(d_v, torch.bmm(transposed, d_u), s * s, value=-1)
         d_u = eps * d_u
     d_matrix = d_matrix + d_v.transpose(1, 2)  # v_0 = the column sums of A + eps
     if lefts:
@@ -278,7 +267,8 @@ def _project(streams: torch.Tensor, fn: torch.Tensor, dtype: torch.dtype, norm_e
     return x, rstd, torch.mm(x, fn.to(dtype).t()) * rstd
 
 
-def _weights(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float, head: bool):
+def _weights(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float, head: bool,
+             keep: bool = True):
     """``(gates, A, rows, cols)`` from the projections m [N, rows]: gates = the sigmoids of pre (and post) [N, 1 or 2,
     n]; A = softmax + eps [N, n, n] and its Sinkhorn scalings (``None, [], []`` for the head)."""
     if head:
@@ -286,7 +276,7 @@ def _weights(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, i
     gates = torch.sigmoid(torch.addcmul(base[: 2 * n].view(2, n), m[:, : 2 * n].view(-1, 2, n), scale[:2, None]))
     logits = torch.addcmul(base[2 * n:].view(n, n), m[:, 2 * n:].view(-1, n, n), scale[2])
     matrix = torch.softmax(logits, dim=-1) + eps
-    return gates, matrix, *sinkhorn_scalings(matrix, iters, eps)
+    return gates, matrix, *sinkhorn_scalings(matrix, iters, eps, keep)
 
 
 def _comb(matrix: torch.Tensor, rows: list[torch.Tensor], cols: list[torch.Tensor]) -> torch.Tensor:
@@ -294,32 +284,48 @@ def _comb(matrix: torch.Tensor, rows: list[torch.Tensor], cols: list[torch.Tenso
     return matrix * cols[-1].transpose(1, 2) if not rows else matrix * (rows[-1] * cols[-1].transpose(1, 2))
 
 
-class _HyperConnection(torch.autograd.Function):
-    """The torch backend of :func:`hyper_connection` (and of :func:`hyper_head`, ``head=True``).
+def _outputs(streams: torch.Tensor, x: torch.Tensor, gates: torch.Tensor, comb: torch.Tensor | None, eps: float):
+    """``collapsed = pre . X`` (a [1, n] x [n, D] product per token); with ``comb``: ``(post, comb, collapsed)``."""
+    batch, tokens, n, dim = streams.shape
+    pre = gates[:, 0] + eps  # (N, n)
+    collapsed = torch.bmm(pre.unsqueeze(1), x.view(-1, n, dim)).view(batch, tokens, dim).to(streams.dtype)
+    if comb is None:
+        return collapsed
+    return (2 * gates[:, 1]).view(batch, tokens, n), comb.view(batch, tokens, n, n), collapsed
 
-    Forward as :func:`_project` / :func:`_weights`, then ``collapsed = pre . X`` (one [1, n] x [n, D] product per
-    token). It saves the inputs and the small per-token pieces (m, rstd, the gates, A and the Sinkhorn scaling
-    vectors). The backward is the chain rule written out in torch ops: the Sinkhorn recursion backwards
-    (:func:`sinkhorn_vjp`), the softmax and sigmoids, then the projection with its norm, ``dX = dp fn - c x +
-    pre ⊗ g`` in one product and two multiply-adds in place, and ``dfn = dp^T x``. Under ``create_graph=True`` the
-    pieces are recomputed from the saved inputs with autograd recording, so every order of derivative is exact.
+
+def _values(streams, fn, base, scale, iters: int, eps: float, norm_eps: float, head: bool):
+    """The torch backend's forward without autograd (no gradient wanted: decoding, evaluation): the same operations
+    as :class:`_HyperConnection`'s forward (the same numbers, bit for bit: a reentrant checkpoint's no-grad forward
+    and its recomputation agree), without the Function's bookkeeping, the Sinkhorn loop keeping only its last
+    scalings."""
+    dtype = weight_dtype(streams, fn, base, scale)
+    x, _, m = _project(streams, fn, dtype, norm_eps)
+    gates, matrix, rows, cols = _weights(m, base.to(dtype), scale.to(dtype), streams.shape[-2], iters, eps, head,
+                                         keep=False)
+    return _outputs(streams, x, gates, None if head else _comb(matrix, rows, cols), eps)
+
+
+class _HyperConnection(torch.autograd.Function):
+    """The torch backend of :func:`hyper_connection` (and of :func:`hyper_head`, ``head=True``) when a gradient is
+    wanted (:func:`_values` otherwise).
+
+    Forward as :func:`_project` / :func:`_weights` / :func:`_outputs`. It saves the inputs and the small per-token
+    pieces (m, rstd, the gates, A and the Sinkhorn scaling vectors). The backward is the chain rule written out in
+    torch ops: the Sinkhorn recursion backwards (:func:`sinkhorn_vjp`), the softmax and sigmoids, then the
+    projection with its norm, ``dX = dp fn - c x + pre ⊗ g`` in one product and two multiply-adds in place, and
+    ``dfn = dp^T x``. Under ``create_graph=True`` the pieces are recomputed from the saved inputs with autograd
+    recording, so every order of derivative is exact.
     """
 
     @staticmethod
     def forward(ctx, streams, fn, base, scale, iters: int, eps: float, norm_eps: float, head: bool):
         dtype = weight_dtype(streams, fn, base, scale)
-        n = streams.shape[-2]
         x, rstd, m = _project(streams, fn, dtype, norm_eps)
-        gates, matrix, rows, cols = _weights(m, base.to(dtype), scale.to(dtype), n, iters, eps, head)
-        pre = gates[:, 0] + eps  # (N, n)
-        collapsed = torch.bmm(pre.unsqueeze(1), x.view(-1, n, streams.shape[-1])).view(*streams.shape[:2], -1)
+        gates, matrix, rows, cols = _weights(m, base.to(dtype), scale.to(dtype), streams.shape[-2], iters, eps, head)
         ctx.settings = (iters, eps, norm_eps, head, len(rows))
         ctx.save_for_backward(streams, fn, base, scale, m, rstd, gates, *([] if head else [matrix, *rows, *cols]))
-        collapsed = collapsed.to(streams.dtype)
-        if head:
-            return collapsed
-        post = 2 * gates[:, 1].view(*streams.shape[:3])
-        return post, _comb(matrix, rows, cols).view(*streams.shape[:3], n), collapsed
+        return _outputs(streams, x, gates, None if head else _comb(matrix, rows, cols), eps)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -337,7 +343,7 @@ class _HyperConnection(torch.autograd.Function):
                 matrix, rows, cols = sinkhorn[0], sinkhorn[1:1 + num_rows], sinkhorn[1 + num_rows:]
         g_collapsed = grads[-1].reshape(-1, dim).to(dtype)  # (N, D)
         sig_pre = gates[:, 0]
-        d_pre = torch.linalg.vecdot(x.view(-1, n, dim), g_collapsed.unsqueeze(1))  # (N, n)
+        d_pre = torch.bmm(x.view(-1, n, dim), g_collapsed.unsqueeze(-1)).squeeze(-1)  # (N, n)
         d_z = d_pre * sig_pre * (1 - sig_pre)  # through pre = sigmoid(z_pre) + eps
         if not head:
             g_post = grads[0].reshape(-1, n).to(dtype)
@@ -364,14 +370,22 @@ class _HyperConnection(torch.autograd.Function):
         return d_streams, d_fn, d_z.sum(0).to(base.dtype), d_scale.to(scale.dtype), None, None, None, None
 
 
+def _torch_connection(streams, fn, base, scale, iters: int, eps: float, norm_eps: float, head: bool):
+    """:class:`_HyperConnection` when autograd records and an input wants a gradient, else :func:`_values`."""
+    if torch.is_grad_enabled() and (streams.requires_grad or fn.requires_grad or base.requires_grad
+                                    or scale.requires_grad):
+        return _HyperConnection.apply(streams, fn, base, scale, iters, eps, norm_eps, head)
+    return _values(streams, fn, base, scale, iters, eps, norm_eps, head)
+
+
 def hyper_connection_torch(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps):
-    """The vectorised PyTorch backend of :func:`hyper_connection` (:class:`_HyperConnection`)."""
-    return _HyperConnection.apply(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, False)
+    """The vectorised PyTorch backend of :func:`hyper_connection` (:func:`_torch_connection`)."""
+    return _torch_connection(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, False)
 
 
 def hyper_head_torch(streams, fn, base, scale, eps, norm_eps):
-    """The vectorised PyTorch backend of :func:`hyper_head` (:class:`_HyperConnection` with ``head=True``)."""
-    return _HyperConnection.apply(streams, fn, base, scale, 1, eps, norm_eps, True)
+    """The vectorised PyTorch backend of :func:`hyper_head` (:func:`_torch_connection` with ``head=True``)."""
+    return _torch_connection(streams, fn, base, scale, 1, eps, norm_eps, True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -417,7 +431,7 @@ def hyper_connection(
     choice = resolve_backend(backend, streams.device)
     eps, norm_eps = float(eps), float(norm_eps)
     with autocast_off(streams.device.type):
-        if choice == "triton" and _triton_computes(streams, weight_dtype(streams, fn, base, scale)):
+        if choice == "triton" and triton_computes(streams, weight_dtype(streams, fn, base, scale), streams.dtype):
             return triton_hyper_connection(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, head=False)
         if choice == "reference":
             return hyper_connection_reference(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
@@ -450,7 +464,7 @@ def hyper_head(
     choice = resolve_backend(backend, streams.device)
     eps, norm_eps = float(eps), float(norm_eps)
     with autocast_off(streams.device.type):
-        if choice == "triton" and _triton_computes(streams, weight_dtype(streams, fn, base, scale)):
+        if choice == "triton" and triton_computes(streams, weight_dtype(streams, fn, base, scale), streams.dtype):
             return triton_hyper_connection(streams, fn, base, scale, 1, eps, norm_eps, head=True)
         if choice == "reference":
             return hyper_head_reference(streams, fn, base, scale, eps, norm_eps)

@@ -1,49 +1,36 @@
-"""The mixing step of manifold-constrained Hyper-Connections (mHC): a sub-layer's output spread over the n
-residual streams and added to the mixed streams.
-
-For one token, streams ``X`` [n, D], the sub-layer's output ``f`` [D] and the weights of
-:func:`~.mhc_connection.hyper_connection` (``post`` [n], ``comb`` [n, n]):
+"""The mixing step of mHC (``../shared/PAPERS.md`` §5): a sub-layer's output ``f`` [D] spread over a token's
+streams ``X`` [n, D] by ``post`` [n] and added to the streams mixed by ``comb`` [n, n] (from
+:func:`~.mhc_connection.hyper_connection`), ``comb`` applied transposed as in transformers' ``DeepseekV4DecoderLayer``:
 
     X'_k = post_k f + sum_j comb_jk X_j          (X' = post ⊗ f + comb^T X)
-
-``comb`` is applied transposed, as in transformers' ``DeepseekV4DecoderLayer``: ``comb[j, k]`` weighs stream j
-in the new stream k.
-
-One entry point, :func:`hyper_mix`, three implementations:
 
 =================  ==========================================================================================
 backend            implementation
 =================  ==========================================================================================
 ``"reference"``    :func:`hyper_mix_reference`: the two loops (new stream k, read stream j); autograd.
-``"torch"``        :func:`hyper_mix_torch`: one custom autograd Function, a batched [n, n] x [n, D] product per
-                   token each way (its backward is written in torch ops: every order of derivative).
-``"triton"``       ``mhc_triton.triton_hyper_mix``: one fused kernel each way (the streams read once; the
-                   backward writes the gradients of X and f and per-block partial sums for post and comb).
-                   First-order only (``create_graph=True`` raises a RuntimeError naming the other backends).
-                   Routed to ``"torch"``: float64 work, more than ``TRITON_MAX_STREAMS`` streams, empty inputs.
+``"torch"``        :func:`hyper_mix_torch`: a batched [n, n] x [n, D] product per token (:func:`_mixed`), in the
+                   custom Function :class:`_HyperMix` (backward in torch ops: every order) when a gradient is
+                   wanted.
+``"triton"``       ``mhc_triton.triton_hyper_mix``: one fused kernel each way. First order only. Routed to
+                   ``"torch"``: float64 work, more than ``TRITON_MAX_STREAMS`` streams, empty inputs.
 =================  ==========================================================================================
 
-The backend is resolved as for :func:`~.mhc_connection.hyper_connection` (one ``resolve_backend``, in that file).
+The backend is resolved by ``mhc_connection.resolve_backend``. Dtypes, for every backend: the result has the
+promoted dtype of the streams and the output (the weights are fp32 by design), accumulated in float32 (float64
+when an input is float64) and rounded once; autocast is disabled inside (the residual update keeps an fp32
+model's streams fp32, as ``x + f(x)`` keeps a Llama's residual).
 
-Dtypes, decided here for every backend: the result has the promoted dtype of the streams and the output (the
-weights do not take part: they are fp32 by design), is accumulated in float32 (float64 when an input is float64)
-and rounded once. Autocast does not change it (it is disabled inside): this is the residual update, which under
-autocast keeps an fp32 model's streams in fp32, as ``x + f(x)`` keeps a Llama's residual.
-
-This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next to the
-model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+Self-contained (``torch`` and same-folder imports only): ``save_pretrained`` copies it next to the model code.
 """
 
 import torch
 
-from .mhc_connection import resolve_backend
+from .mhc_connection import resolve_backend, triton_computes
 from .mhc_inputs import autocast_off, check_streams, check_tensor, weight_dtype
 
 try:  # Triton is optional: the model loads and runs without it.
-    from .mhc_triton import MHC_TRITON_DTYPES, TRITON_MAX_STREAMS, triton_hyper_mix
+    from .mhc_triton import triton_hyper_mix
 except Exception:  # pragma: no cover - depends on the environment
-    MHC_TRITON_DTYPES = ()
-    TRITON_MAX_STREAMS = 0
     triton_hyper_mix = None
 
 
@@ -70,18 +57,22 @@ def hyper_mix_reference(streams: torch.Tensor, output: torch.Tensor, post: torch
     return torch.stack(new, dim=-2).to(dtype)
 
 
+def _mixed(streams, output, post, comb, dtype):
+    """``comb^T X`` (one [n, n] x [n, D] product per token) plus ``post ⊗ f`` added in place, rounded to ``dtype``."""
+    acc = weight_dtype(streams, output, post, comb)
+    mixed = torch.matmul(comb.to(acc).transpose(-1, -2), streams.to(acc))  # (B, T, n, D)
+    return mixed.addcmul_(post.to(acc).unsqueeze(-1), output.to(acc).unsqueeze(-2)).to(dtype)
+
+
 class _HyperMix(torch.autograd.Function):
-    """The torch backend of :func:`hyper_mix`: ``X' = comb^T X`` (one [n, n] x [n, D] product per token) plus
-    ``post ⊗ f`` added in place, saving only references to the inputs. Backward (torch ops, so
-    ``create_graph=True`` differentiates it): ``dX = comb dX'``, ``dcomb = X dX'^T``, ``df = post . dX'`` (batched
-    products) and ``dpost = dX' . f``."""
+    """The torch backend of :func:`hyper_mix` when a gradient is wanted: :func:`_mixed`, saving only references to
+    the inputs. Backward (torch ops, so ``create_graph=True`` differentiates it): ``dX = comb dX'``, ``dcomb = X
+    dX'^T``, ``df = post . dX'`` and ``dpost = dX' f`` (batched products)."""
 
     @staticmethod
     def forward(ctx, streams, output, post, comb, dtype):
-        acc = weight_dtype(streams, output, post, comb)
         ctx.save_for_backward(streams, output, post, comb)
-        mixed = torch.matmul(comb.to(acc).transpose(-1, -2), streams.to(acc))  # (B, T, n, D)
-        return mixed.addcmul_(post.to(acc).unsqueeze(-1), output.to(acc).unsqueeze(-2)).to(dtype)
+        return _mixed(streams, output, post, comb, dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -94,7 +85,7 @@ class _HyperMix(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             d_output = torch.matmul(post.to(acc).unsqueeze(-2), g).squeeze(-2).to(output.dtype)
         if ctx.needs_input_grad[2]:
-            d_post = torch.linalg.vecdot(g, output.to(acc).unsqueeze(-2)).to(post.dtype)
+            d_post = torch.matmul(g, output.to(acc).unsqueeze(-1)).squeeze(-1).to(post.dtype)
         if ctx.needs_input_grad[3]:
             d_comb = torch.matmul(x, g.transpose(-1, -2)).to(comb.dtype)  # (B, T, n, n): [j, k] = X_j . dX'_k
         return d_streams, d_output, d_post, d_comb, None
@@ -102,8 +93,12 @@ class _HyperMix(torch.autograd.Function):
 
 def hyper_mix_torch(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
-    """The vectorised PyTorch backend of :func:`hyper_mix` (:class:`_HyperMix`); the result in ``dtype``."""
-    return _HyperMix.apply(streams, output, post, comb, dtype)
+    """The vectorised PyTorch backend of :func:`hyper_mix` (:class:`_HyperMix` when autograd records and an input
+    wants a gradient, else :func:`_mixed`); the result in ``dtype``."""
+    if torch.is_grad_enabled() and (streams.requires_grad or output.requires_grad or post.requires_grad
+                                    or comb.requires_grad):
+        return _HyperMix.apply(streams, output, post, comb, dtype)
+    return _mixed(streams, output, post, comb, dtype)
 
 
 def hyper_mix(
@@ -133,8 +128,7 @@ def hyper_mix(
     choice = resolve_backend(backend, streams.device)
     dtype = torch.promote_types(streams.dtype, output.dtype)
     with autocast_off(streams.device.type):
-        if (choice == "triton" and weight_dtype(streams, output, post, comb) == torch.float32
-                and dtype in MHC_TRITON_DTYPES and streams.numel() > 0 and streams.shape[2] <= TRITON_MAX_STREAMS):
+        if choice == "triton" and triton_computes(streams, weight_dtype(streams, output, post, comb), dtype):
             return triton_hyper_mix(streams, output, post, comb, dtype)
         if choice == "reference":
             return hyper_mix_reference(streams, output, post, comb, dtype)

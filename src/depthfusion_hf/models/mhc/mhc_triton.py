@@ -1,37 +1,23 @@
-"""Fused Triton kernels for the mHC ops (``mhc_connection.py``: the weights and the collapse; ``mhc_mix.py``: the
-mixing step), forward and backward, fp32 arithmetic whatever the streams' dtype.
+"""Fused Triton kernels for the mHC ops (``mhc_connection.py``, ``mhc_mix.py``), forward and backward, fp32
+arithmetic whatever the streams' dtype. N = B T tokens, n streams (``NS``; ``NP``: n padded to a power of two), D the
+width, K = n D, R the projection's rows ((2 + n) n, or n for the head).
 
-Notation: N = B T tokens, n streams (``NS``; ``NP`` = n padded to a power of two), D the width, K = n D, R the
-projection's rows ((2 + n) n, or n for the head).
+- :func:`hc_project_kernel`: ``m = rstd * (x fn^T)`` [N, R] and ``rstd`` [N] in one pass over the streams (IEEE
+  fp32 ``tl.dot``, the sum of squares alongside).
+- :func:`hc_weights_kernel`: pre, post, comb (softmax, the Sinkhorn loop on an [NP, NP] tile per token, padding held
+  at 0) and ``collapsed = sum_j pre_j X_j`` (a second pass over the streams), written once in the streams' dtype.
+- backward (first order; ``create_graph=True`` raises a RuntimeError naming the other backends):
+  :func:`hc_weights_bwd_kernel` (``g_pre = X . g``, the chain rule through the sigmoids, the Sinkhorn loop with each
+  step's input recomputed: O(iters^2) tile steps, no stored iterates, and the softmax; ``dp``, the norm's
+  coefficient and per-block partial sums for base and scale), :func:`hc_input_bwd_kernel` (``dX = dp fn + c x +
+  pre ⊗ g``), :func:`hc_fn_bwd_kernel` (``dfn = dp^T x`` per token split, summed).
+- hyper_mix: :func:`mix_fwd_kernel`, :func:`mix_bwd_kernel` (the streams and the gradient read once; d post and
+  d comb as per-chunk partial sums).
 
-hyper_connection / hyper_head, forward:
-
-- :func:`hc_project_kernel` (a program per ``BLOCK_T`` tokens): ``m = rstd * (x fn^T)`` [N, R] and ``rstd`` [N] in
-  one pass over the streams (``tl.dot`` in IEEE fp32, the sum of squares alongside).
-- :func:`hc_weights_kernel` (a program per ``BLOCK_T`` tokens): pre, post, comb (softmax, then the Sinkhorn loop on
-  an [NP, NP] tile per token, padding held at 0), and ``collapsed = sum_j pre_j X_j`` over D in chunks (a second
-  pass over the streams), written once in the streams' dtype.
-
-backward (first order; a backward with ``create_graph=True`` raises a RuntimeError naming the other backends):
-
-- :func:`hc_weights_bwd_kernel` (per token block): ``g_pre = X . g`` (a pass over the streams), then the chain rule
-  through the sigmoids, the Sinkhorn loop (each step's input recomputed from the softmax: O(iters^2) steps on
-  [NP, NP] tiles, no stored iterates) and the softmax: ``dp = rstd * dm`` [N, R], the norm's coefficient ``c`` [N],
-  and per-block partial sums of the gradients of ``base`` and ``scale``.
-- :func:`hc_input_bwd_kernel` (per token block and K chunk): ``dX = dp fn + c x + pre ⊗ g`` (``tl.dot`` over R
-  in chunks).
-- :func:`hc_fn_bwd_kernel` (per K chunk and token split): partial ``dfn = dp^T x``, summed over the splits.
-
-hyper_mix: :func:`mix_fwd_kernel` and :func:`mix_bwd_kernel` (per token block and D chunk; the streams and the
-gradient read once; the gradients of post and comb as per-chunk partial sums).
-
-Offsets are 64-bit. Inputs are read in their own dtype; the launch code makes the [n, D] part of each token
-contiguous (a copy when it is not, e.g. the embedding expanded to n streams) and launches on the tensors' CUDA
-device and its current stream.
-
-Triton is optional: it is imported inside ``try/except`` so that this file (copied next to the model code for
-``trust_remote_code`` loading) imports everywhere. Without a GPU the kernels run under ``TRITON_INTERPRET=1``,
-which must be set before this module is imported.
+Offsets are 64-bit; the launch code makes each token's [n, D] contiguous (a copy when not, e.g. the expanded
+embedding) and launches on the tensors' CUDA device and current stream. Triton is imported inside ``try/except`` so
+that this file (copied next to the model code for ``trust_remote_code``) imports everywhere; without a GPU the
+kernels run under ``TRITON_INTERPRET=1``, set before this module is imported.
 """
 
 import contextlib

@@ -1,18 +1,13 @@
-"""mHC: a Llama decoder whose residual is ``hc_mult`` streams joined by manifold-constrained Hyper-Connections
-(DeepSeek-V4; Xie et al., 2026).
+"""mHC: a Llama decoder whose residual is ``hc_mult`` = n streams joined by manifold-constrained Hyper-Connections
+(DeepSeek-V4; ``../shared/PAPERS.md`` §5, docs/MHC.md).
 
-    X_0        = [e, e, ..., e]                                   the embedding copied n times   [n, D]
-    per sub-layer f (each attention and each MLP of layer l):
-      post, comb, u = hyper_connection(X)                         u = sum_j pre_j X_j            [D]
-      X           <- post ⊗ f(norm(u)) + comb^T X                 (hyper_mix)                    [n, D]
-    logits     = lm_head(norm(hyper_head(X)))                     hyper_head: sum_j pre_head_j X_j
+    X_0 = [e, ..., e]  (the embedding copied n times)   [n, D]
+    per sub-layer f:   post, comb, u = hyper_connection(X);  X <- post ⊗ f(norm(u)) + comb^T X  (hyper_mix)
+    logits = lm_head(norm(hyper_head(X)))
 
-The attention, MLP, norms, rotary embeddings and attention backends are transformers' Llama ones, under their
-Llama names, so a Llama checkpoint converts by copying weights (``depthfusion_hf.convert.llama_to_mhc`` also
-chooses the hyper-connection parameters that make the converted model compute the Llama's logits, up to the
-RMSNorm epsilon and rounding). The hyper-connection parameters are transformers' ``DeepseekV4HyperConnection``
-and ``DeepseekV4HyperHead`` ones (same names, shapes and initialisation) and are kept in float32. Everything
-is per token, so cached decoding needs only the ordinary KV cache.
+The attention, MLP, norms and rotary embeddings are transformers' Llama ones under their Llama names; the
+hyper-connection parameters are transformers' ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead`` ones (names,
+shapes, init), kept in float32. Everything is per token: cached decoding needs only the ordinary KV cache.
 """
 
 import functools
@@ -234,7 +229,7 @@ class MHCPreTrainedModel(LlamaPreTrainedModel):
     config_class = MHCConfig
     _no_split_modules = ["MHCDecoderLayer"]
     _keep_in_fp32_modules_strict = ["attn_hc", "ffn_hc", "hc_head"]
-    _can_compile_fullgraph = False  # as the other families', until compiled static-cache decoding is tested (issue 21)
+    _can_compile_fullgraph = True  # one-token decoding with a StaticCache: tests/mhc/test_compiled_decoding.py
     _can_record_outputs = {
         "hidden_states": MHCDecoderLayer,
         "attentions": LlamaAttention,
@@ -413,16 +408,12 @@ class MHCForCausalLM(MHCPreTrainedModel, LlamaForCausalLM):
 
 @torch.no_grad()
 def init_as_residual(model: MHCPreTrainedModel, post_spread: float = 0.5) -> None:
-    """Set every hyper-connection so that the streams carry a plain pre-norm residual: the Llama initialisation.
+    """Set every hyper-connection so that the streams carry a plain pre-norm residual: the Llama's function, up to
+    the norms' epsilon and rounding (the derivation: docs/MHC.md, "Llama upcycling").
 
-    ``fn = 0`` (the weights are the same for every token) and ``scale = 1``; ``pre`` (and the head's) ``= 1/n``
-    (``base = logit(1/n - eps)``); ``comb`` uniform (``base = 0``), whose Sinkhorn result has every row sum equal,
-    rho = 1 - O(eps); at sub-layer s (0-based over the 2L attention and MLP sub-layers) ``post_k = rho^(s+1) (1 +
-    post_spread t_k)`` with ``t`` evenly spaced in [-1, 1]. Sub-layer s then updates its successor's input as
-    ``u' = mean(post) f + rho u``, so every sub-layer reads ``rho^s`` times the Llama's residual stream, which the
-    pre-norms and the final norm read back up to their epsilon: the logits are the Llama's up to that epsilon and
-    rounding (docs/MHC.md). ``post_spread = 0`` keeps the n streams equal;
-    they then stay equal under training (the gradients are symmetric in them too), so the default spreads them.
+    ``fn = 0``, ``scale = 1``; ``pre`` (and the head's) ``= 1/n``; ``comb`` uniform, whose Sinkhorn result has
+    every row sum ``rho = 1 - O(eps)``; at sub-layer s (0-based over the 2L sub-layers) ``post_k = rho^(s+1) (1 +
+    post_spread t_k)``, ``t`` evenly spaced in [-1, 1] (``post_spread = 0`` would keep the n streams equal forever).
 
     Args:
         model: an ``MHCModel`` or ``MHCForCausalLM``.
