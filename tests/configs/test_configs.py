@@ -13,10 +13,10 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 import depthfusion_hf  # noqa: F401  (registers the model types)
 from depthfusion_hf.export import AUTO_CLASSES
-from depthfusion_hf.models.moda.cost import moda_cost
 from depthfusion_hf.recipes.clm import MODEL_KINDS, build_config, load_arch
 from depthfusion_hf.recipes.ner import NerSettings, load_selected
 from depthfusion_hf.recipes.ner_study import NerStudySettings
+from tests.moda.moda_cost import moda_cost
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ALL_JSON = sorted(p for p in CONFIGS.rglob("*.json") if "accelerate" not in p.relative_to(CONFIGS).parts)

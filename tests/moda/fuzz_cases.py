@@ -2,7 +2,8 @@
 
 A drawn :class:`Case` is built into the five input views (with the drawn memory layouts: contiguous,
 last dim transposed, every other element, a permuted layout, a broadcast head dim, a slice of a larger
-token-major depth buffer) and a mask. Gradients are taken with respect to the views themselves.
+token-major depth buffer; the depth as one tensor or as a sequence of its M entries) and a mask. Gradients are
+taken with respect to the views themselves.
 Shared by ``tests/moda/test_moda_fuzz.py`` (CPU paths) and ``tests/kernels/test_moda_triton.py``
 (the Triton kernels, interpreted).
 """
@@ -37,6 +38,7 @@ class Case:
     mask: str
     mask_transposed: bool
     seed: int
+    as_entries: bool  # depth given as a sequence of M entries [B, Hkv, T, d] (views of the drawn layout)
 
     @property
     def Hq(self) -> int:
@@ -58,12 +60,13 @@ def cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float64), masks=MAS
         d=d,
         dtype=draw(st.sampled_from(dtypes)),
         causal=draw(st.booleans()),
-        scale=draw(st.one_of(st.just(d**-0.5), st.floats(0.05, 2.0))),
+        scale=draw(st.one_of(st.just(d**-0.5), st.floats(-2.0, 2.0), st.just(0.0))),
         magnitude=draw(st.sampled_from([0.5, 1.0, 3.0])),
         layouts=tuple(draw(st.sampled_from(LAYOUTS)) for _ in range(5)),
         mask=draw(st.sampled_from(masks)),
         mask_transposed=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
+        as_entries=draw(st.booleans()),
     )
 
 
@@ -121,6 +124,11 @@ def _mask(case: Case, gen: torch.Generator) -> torch.Tensor | None:
     if kind == "additive_grad":
         mask = mask.requires_grad_()
     return mask
+
+
+def op_depth(case: Case, inputs: list[torch.Tensor]) -> list:
+    """depth_k, depth_v as the op takes them in this case: the 5-d views, or sequences of their M entries."""
+    return [list(x.unbind(3)) for x in inputs[3:]] if case.as_entries else inputs[3:]
 
 
 def build(case: Case) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:

@@ -1,4 +1,6 @@
-"""moda_attention: the vectorised PyTorch path against the reference loop, values and gradients."""
+"""moda_attention on CPU: the PyTorch path and the reference loop against the float64 reference, values and
+gradients (first and second order), the depth entries as a tensor or as a sequence, masks, the scale, degenerate
+shapes, the one compute dtype, the returned weights, and the errors the op raises."""
 
 import os
 
@@ -6,34 +8,39 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from depthfusion_hf.models.moda.moda_attention import moda_joint_probs, resolve_backend
+from depthfusion_hf.models.moda.moda_attention import moda_attention_weights, resolve_backend
 from depthfusion_hf.ops import moda_attention
 from tests.moda.op_checks import assert_matches_reference
 
 LAYERS = 6  # "2L" depth entries = 12
+F64 = torch.float64
 
 
-def _inputs(B=2, Hq=4, Hkv=2, T=7, S=None, M=3, d=8, dtype=torch.float32):
+def _inputs(B=2, Hq=4, Hkv=2, T=7, S=None, M=3, d=8, dtype=torch.float32, seed=0):
     S = T + 3 if S is None else S
+    g = torch.Generator().manual_seed(seed)
     shapes = [(B, Hq, T, d), (B, Hkv, S, d), (B, Hkv, S, d), (B, Hkv, T, M, d), (B, Hkv, T, M, d)]
-    return [torch.randn(s, dtype=dtype).requires_grad_() for s in shapes]
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
 
 
-def _compare(inputs, attention_mask=None, causal=True):
-    """backend="torch" through the public op against the float64 reference, with tolerances scaled to
-    the dtype and the inputs (tests/moda/op_checks.py)."""
+def _compare(inputs, attention_mask=None, causal=True, backend="torch", as_entries=False, scale=None):
+    """The public op against the float64 reference (tolerances scaled to the dtype, tests/moda/op_checks.py)."""
     grad = torch.randn_like(inputs[0])
-    out = moda_attention(*inputs, attention_mask=attention_mask, causal=causal, backend="torch")
+    depth = [list(x.unbind(3)) for x in inputs[3:]] if as_entries else inputs[3:]
+    out = moda_attention(*inputs[:3], *depth, attention_mask=attention_mask, causal=causal, backend=backend,
+                         scale=scale)
     assert out.shape == inputs[0].shape and out.dtype == inputs[0].dtype
     grads = torch.autograd.grad(out, inputs, grad)
-    assert_matches_reference(out, grads, inputs, grad, attention_mask, inputs[0].shape[-1] ** -0.5, causal)
+    scale = inputs[0].shape[-1] ** -0.5 if scale is None else scale
+    assert_matches_reference(out, grads, inputs, grad, attention_mask, scale, causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T", [1, 7, 63])
 @pytest.mark.parametrize("M", [0, 1, 2 * LAYERS])
-def test_torch_matches_reference(dtype, T, M):
-    _compare(_inputs(T=T, M=M, S=T + 5, dtype=dtype))
+@pytest.mark.parametrize("extra", [0, 5])  # S = T (prefill: the fused CPU kernel) and S > T (cached decoding)
+def test_torch_matches_reference(dtype, T, M, extra):
+    _compare(_inputs(T=T, M=M, S=T + extra, dtype=dtype), as_entries=M % 2 == 1)
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(3, 3), (6, 2), (4, 1)])
@@ -42,23 +49,40 @@ def test_gqa_and_non_causal(Hq, Hkv, causal):
     _compare(_inputs(Hq=Hq, Hkv=Hkv, T=5, S=5, M=2), causal=causal)
 
 
-@pytest.mark.parametrize("kind", ["bool", "additive", "per_head"])
+def test_entries_as_a_sequence_equal_the_stacked_tensor():
+    """A model passes the entries as it wrote them (a sequence of [B, Hkv, T, d]); same values and gradients."""
+    inputs = _inputs(M=4, dtype=F64)
+    grad = torch.randn_like(inputs[0])
+    stacked = moda_attention(*inputs, backend="torch")
+    listed = moda_attention(*inputs[:3], list(inputs[3].unbind(3)), list(inputs[4].unbind(3)), backend="torch")
+    assert torch.equal(stacked, listed)
+    for a, b in zip(torch.autograd.grad(stacked, inputs, grad), torch.autograd.grad(listed, inputs, grad)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "per_head", "additive_grad"])
 def test_masks_apply_to_the_sequence_pool_only(kind):
     inputs = _inputs(B=2, Hq=4, Hkv=2, T=6, S=9, M=4)
     keep = torch.rand(2, 1, 6, 9) > 0.4
     keep[0, 0, 2] = False  # one fully masked sequence row: the depth entries still get the mass
     if kind == "bool":
         mask = keep
-    elif kind == "additive":
-        mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")) + 0.1 * torch.randn(keep.shape)
-    else:
+    elif kind == "per_head":
         mask = torch.randn(1, 4, 6, 9)
+    else:
+        mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")) + 0.1 * torch.randn(keep.shape)
+        mask.requires_grad_(kind == "additive_grad")
     _compare(inputs, attention_mask=mask)
-    probs = moda_joint_probs(inputs[0], inputs[1], inputs[3], mask, 8**-0.5, True)  # (B, Hkv, G, T, S + M)
-    torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)))
+    out, weights = moda_attention(*inputs, attention_mask=mask, return_weights=True)  # (B, Hq, T, S + M)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 6))
     if kind == "bool":
-        assert probs[0, :, :, 2, :9].abs().max() == 0
-        torch.testing.assert_close(probs[0, :, :, 2, 9:].sum(-1), torch.ones(2, 2))
+        assert weights[0, :, 2, :9].abs().max() == 0
+        torch.testing.assert_close(weights[0, :, 2, 9:].sum(-1), torch.ones(4))
+    if kind == "additive_grad":  # the mask's gradient, against the reference backend's autograd
+        (got,) = torch.autograd.grad(moda_attention(*inputs, attention_mask=mask).sum(), [mask])
+        (want,) = torch.autograd.grad(moda_attention(*inputs, attention_mask=mask, backend="reference").sum(), [mask])
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_reference_without_depth_is_standard_attention():
@@ -80,8 +104,9 @@ def test_joint_softmax_by_hand():
     weights = torch.softmax(torch.tensor([0.0, 2.0, 1.0]), 0)  # scale 1
     expected = weights[0] * v[0, 0, 0] + weights[1] * v[0, 0, 1] + weights[2] * dv[0, 0, 0, 0]
     for backend in ("reference", "torch"):
-        out = moda_attention(q, k, v, dk, dv, scale=1.0, backend=backend)
+        out, got_weights = moda_attention(q, k, v, dk, dv, scale=1.0, backend=backend, return_weights=True)
         torch.testing.assert_close(out.view(2), expected)
+        torch.testing.assert_close(got_weights.view(3), weights)
 
 
 def test_row_with_no_entry_returns_zeros():
@@ -93,14 +118,118 @@ def test_row_with_no_entry_returns_zeros():
         assert torch.isfinite(out).all()
         assert out[:, :, 1].abs().max() == 0
         assert out[:, :, 0].abs().max() > 0
-    out.sum().backward()
-    assert torch.isfinite(q.grad).all()
+        grads = torch.autograd.grad(out.sum(), [q, k, v])
+        assert all(torch.isfinite(g).all() for g in grads)
 
 
-def test_gradcheck_float64():
-    inputs = [x.detach().double().requires_grad_() for x in _inputs(B=1, Hq=2, Hkv=1, T=3, S=4, M=2, d=4)]
+@pytest.mark.parametrize("masked", [False, True], ids=["fused-cpu", "materialised"])
+def test_gradcheck_and_gradgradcheck_float64(masked):
+    """First and second order (create_graph=True) through the PyTorch path: without a mask the fused CPU kernel
+    runs the forward, with one the materialised pool; a fully masked row included."""
+    inputs = [x.detach().to(F64).requires_grad_() for x in _inputs(B=1, Hq=2, Hkv=1, T=3, S=3, M=2, d=3)]
+    mask = None
+    if masked:
+        mask = torch.tensor([[True, False, False], [True, True, False], [False, False, False]]).view(1, 1, 3, 3)
+
+    def op(*x):
+        return moda_attention(*x, attention_mask=mask, backend="torch")
+
+    assert torch.autograd.gradcheck(op, inputs)
+    assert torch.autograd.gradgradcheck(op, inputs)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.7, 3.0])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("M", [0, 3])
+def test_any_finite_scale_matches_the_reference(scale, masked, M):
+    """A zero, negative or large scale is computed (the torch backend gave NaN for 0 and negative scales: the
+    fused CPU kernel masks the causal keys before it scales)."""
+    inputs = _inputs(B=1, Hq=2, Hkv=1, T=3, S=3, M=M, d=4)
+    mask = torch.rand(1, 1, 3, 3, generator=torch.Generator().manual_seed(1)) > 0.3 if masked else None
+    _compare(inputs, attention_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan"), True, "0.5"])
+def test_scale_that_is_not_a_finite_number_is_rejected(scale):
+    with pytest.raises(ValueError, match="scale must be a finite real number"):
+        moda_attention(*[x.detach() for x in _inputs()], scale=scale)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("kind", ["bool", "additive", "causal"])
+def test_a_nan_in_a_hidden_key_contributes_nothing(backend, kind):
+    """A NaN key hidden by the mask (False or -inf) or by causality leaves every output it is hidden from exact."""
+    q, k, v, dk, dv = (x.detach().to(F64) for x in _inputs(B=2, T=5, S=5, M=2))
+    keep = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+    poisoned = k.clone()
+    if kind == "causal":
+        poisoned[:, :, 4] = float("nan")  # visible to the last query only
+        mask, hidden_from = None, slice(0, 4)
+    else:
+        keep[0, ..., 1] = False  # padding of batch row 0, key 1
+        poisoned[0, :, 1] = float("nan")
+        mask = keep if kind == "bool" else torch.zeros(keep.shape, dtype=F64).masked_fill(~keep, float("-inf"))
+        hidden_from = slice(0, 5)
+    want = moda_attention(q, k, v, dk, dv, attention_mask=mask, backend="reference")
+    got = moda_attention(q, poisoned, v, dk, dv, attention_mask=mask, backend=backend)
+    rows = slice(0, 2) if kind == "causal" else slice(0, 1)
+    torch.testing.assert_close(got[rows, :, hidden_from], want[rows, :, hidden_from], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("shape", [(0, 4, 5), (2, 4, 0)], ids=["B=0", "T=0"])
+def test_no_queries_give_an_empty_output_with_zero_gradients(backend, shape):
+    B, Hq, T = shape
+    q = torch.randn(B, Hq, T, 8, requires_grad=True)
+    k, v = (torch.randn(B, 2, 6, 8, requires_grad=True) for _ in range(2))
+    dk, dv = (torch.randn(B, 2, T, 3, 8, requires_grad=True) for _ in range(2))
+    out = moda_attention(q, k, v, dk, dv, backend=backend)
+    assert out.shape == q.shape
+    grads = torch.autograd.grad(out.sum(), [q, k, v, dk, dv])
+    assert all(g.shape == x.shape and not g.any() for g, x in zip(grads, [q, k, v, dk, dv]))
+
+
+def test_head_dim_zero_is_rejected():
+    q, k, v = torch.randn(1, 2, 3, 0), torch.randn(1, 2, 3, 0), torch.randn(1, 2, 3, 0)
+    with pytest.raises(ValueError, match="head dim d >= 1"):
+        moda_attention(q, k, v, torch.randn(1, 2, 3, 1, 0), torch.randn(1, 2, 3, 1, 0))
+
+
+def test_weights_carry_gradients():
+    """``return_weights`` gives the joint softmax with autograd (the model's ``output_attentions``), the same on
+    both CPU backends; its gradients are right (gradcheck)."""
+    q, k, v, dk, dv = (x.detach().to(F64).requires_grad_() for x in _inputs(B=1, Hq=2, Hkv=1, T=3, S=4, M=2, d=3))
     mask = torch.tensor([True, False, True, True]).view(1, 1, 1, 4)
-    assert torch.autograd.gradcheck(lambda *x: moda_attention(*x, attention_mask=mask, backend="torch"), inputs)
+    weights = [moda_attention(q, k, v, dk, dv, attention_mask=mask, backend=backend, return_weights=True)[1]
+               for backend in ("torch", "reference")]
+    assert all(w.requires_grad and w.shape == (1, 2, 3, 6) for w in weights)
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
+    assert torch.autograd.gradcheck(
+        lambda q, k, dk: moda_attention_weights(q, k, list(dk.unbind(3)), mask, 0.3, True), [q, k, dk])
+
+
+def test_one_compute_dtype_under_autocast_and_promotion():
+    """Under autocast the autocast dtype for every input (RoPE leaves q, k in fp32 while v is bf16); otherwise
+    the promoted dtype; float64 stays float64."""
+    q, k, v, dk, dv = (x.detach() for x in _inputs(M=2))
+    bf16 = [x.bfloat16() for x in (q, k, v, dk, dv)]
+    want = moda_attention(*bf16, backend="torch")
+    for backend in ("torch", "reference"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = moda_attention(q, k, bf16[2], dk, bf16[4], backend=backend)
+        assert got.dtype == torch.bfloat16
+        if backend == "torch":
+            assert torch.equal(got, want)
+    assert moda_attention(q, k, v.double(), dk, dv).dtype == F64
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert moda_attention(*(x.double() for x in (q, k, v, dk, dv))).dtype == F64
+
+
+def test_inference_mode():
+    inputs = [x.detach() for x in _inputs(M=3)]
+    with torch.inference_mode():
+        out = moda_attention(*inputs)
+    torch.testing.assert_close(out, moda_attention(*inputs, backend="reference"), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -112,6 +241,7 @@ def test_gradcheck_float64():
         (2, (2, 2, 9, 8), "v"),
         (3, (2, 2, 7, 3, 4), "depth_k"),
         (3, (2, 2, 6, 3, 8), "depth_k"),
+        (3, (2, 2, 7, 8), "depth_k"),
         (4, (2, 2, 7, 2, 8), "depth_v"),
     ],
 )
@@ -129,7 +259,7 @@ def test_bad_mask_raises():
     for dtype in (torch.long, torch.uint8, torch.complex64, torch.float8_e4m3fn):
         with pytest.raises(ValueError, match="attention_mask must be bool"):
             moda_attention(*inputs, attention_mask=torch.ones(2, 1, 7, 10).to(dtype))
-    with pytest.raises(ValueError, match="attention_mask must be on q's device"):
+    with pytest.raises(ValueError, match="attention_mask must be bool .* on q's device"):
         moda_attention(*inputs, attention_mask=torch.ones(2, 1, 7, 10, dtype=torch.bool, device="meta"))
 
 
@@ -147,8 +277,9 @@ def test_non_float_dtypes_raise(dtype, backend):
 def test_backend_dispatch(monkeypatch):
     monkeypatch.delenv("DEPTHFUSION_BACKEND", raising=False)
     assert resolve_backend(None, torch.device("cpu")) == "torch"
+    assert resolve_backend(None, torch.device("cpu"), "reference") == "reference"
     monkeypatch.setenv("DEPTHFUSION_BACKEND", "reference")
-    assert resolve_backend(None, torch.device("cpu")) == "reference"
+    assert resolve_backend(None, torch.device("cpu"), "torch") == "reference"
     assert resolve_backend("torch", torch.device("cpu")) == "torch"
     with pytest.raises(ValueError, match="backend must be one of"):
         moda_attention(*[x.detach() for x in _inputs()], backend="cuda-magic")

@@ -1,57 +1,153 @@
-"""MoDA model: depth-stream wiring, RoPE convention, masks, save/load, checkpointing, dtypes, validation."""
+"""MoDA model: depth-entry wiring, RoPE convention, masks, save/load, checkpointing, dtypes, validation."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import depthfusion_hf.models.moda.modeling_moda as modeling_moda
 from depthfusion_hf import MoDAConfig, MoDAForCausalLM, MoDAModel
-from depthfusion_hf.models.moda.depth_stream import DepthStream
 
 from .helpers import TINY, tiny_config, tiny_llama_config, tiny_model
 
 
-def spy_on_depth(monkeypatch, path: str) -> list[torch.Tensor]:
-    """Record the depth keys [B, Hkv, T, M, d] each layer's attention reads, on the stream or the tuple path."""
-    seen = []
-    if path == "stream":
-        real = DepthStream.attend
+def spy_on_the_op(monkeypatch) -> list[dict]:
+    """Record every call of the op from the model: the depth keys and values it reads (each [B, Hkv, T, d])."""
+    calls = []
+    real = modeling_moda.moda_attention
 
-        def spy(self, q, k, v, attention_mask, scale, start, stop):
-            out = real(self, q, k, v, attention_mask, scale, start, stop)
-            seen.append(self.window(start, stop)[0].clone())
-            return out
+    def spy(q, k, v, depth_k, depth_v, **kwargs):
+        calls.append({"keys": list(depth_k), "values": list(depth_v), **kwargs})
+        return real(q, k, v, depth_k, depth_v, **kwargs)
 
-        monkeypatch.setattr(DepthStream, "attend", spy)
-    else:
-        real = modeling_moda.moda_attention
-
-        def spy(q, k, v, depth_k, depth_v, **kwargs):
-            seen.append(depth_k)
-            return real(q, k, v, depth_k, depth_v, **kwargs)
-
-        monkeypatch.setattr(modeling_moda, "moda_attention", spy)
-        monkeypatch.setattr(MoDAModel, "uses_depth_stream", lambda *args: False)
-    return seen
+    monkeypatch.setattr(modeling_moda, "moda_attention", spy)
+    return calls
 
 
-@pytest.mark.parametrize("path", ["stream", "tuples"])
 @pytest.mark.parametrize("norm_position", ["pre", "post"])
 @pytest.mark.parametrize("ffn_kv", [True, False])
-def test_layers_read_all_earlier_entries_of_their_token(monkeypatch, norm_position, ffn_kv, path):
+def test_layers_read_all_earlier_entries_of_their_token(monkeypatch, norm_position, ffn_kv):
     model = tiny_model(moda_ffn_kv=ffn_kv, norm_position=norm_position)
-    seen = spy_on_depth(monkeypatch, path)
+    calls = spy_on_the_op(monkeypatch)
     ids = torch.randint(3, 97, (2, 9))
     with torch.no_grad():
         cache = model(ids, use_cache=True).cache
     per_layer = 2 if ffn_kv else 1
-    assert [d.shape[3] for d in seen] == [per_layer * layer for layer in range(4)]
-    assert all(d.shape == (2, 2, 9, d.shape[3], 12) for d in seen)
-    # Entry order [attn_0, (ffn_0), attn_1, ...]; attention entries are the post-RoPE keys the cache holds.
+    assert [len(c["keys"]) for c in calls] == [per_layer * layer for layer in range(4)]
+    assert all(e.shape == (2, 2, 9, 12) for c in calls for e in c["keys"] + c["values"])
+    assert len({c["backend"] for c in calls}) == 1  # resolved once per forward, passed to every call
+    # Entry order [attn_0, (ffn_0), attn_1, ...]; attention entries are the post-RoPE keys the cache holds, and the
+    # entries are the tensors the layers wrote (later layers read the very same objects: no copies).
     for layer in range(3):
-        torch.testing.assert_close(seen[3][:, :, :, per_layer * layer], cache.layers[layer].keys)
+        torch.testing.assert_close(calls[3]["keys"][per_layer * layer], cache.layers[layer].keys)
+        assert calls[3]["keys"][per_layer * layer] is calls[layer + 1]["keys"][per_layer * layer]
     assert [layer.writes_ffn_kv for layer in model.model.layers] == [ffn_kv, ffn_kv, ffn_kv, False]
     assert not hasattr(model.model.layers[-1], "ffn_kv_proj")
+
+
+@pytest.mark.parametrize("ffn_kv", [True, False])
+@pytest.mark.parametrize("window", [1, 2])
+def test_depth_window_reads_the_last_w_layers(monkeypatch, window, ffn_kv):
+    model = tiny_model(moda_depth_window=window, moda_ffn_kv=ffn_kv)
+    calls = spy_on_the_op(monkeypatch)
+    with torch.no_grad():
+        model(torch.randint(3, 97, (2, 6)))
+    per_layer = 2 if ffn_kv else 1
+    assert [len(c["keys"]) for c in calls] == [min(layer, window) * per_layer for layer in range(4)]
+    if window == 2:  # layer 3 reads layers 1 and 2, layer 2 reads layers 0 and 1: the same layer-1 tensors
+        assert all(a is b for a, b in zip(calls[3]["keys"][:per_layer], calls[2]["keys"][per_layer:]))
+
+
+def test_depth_window_changes_the_model_and_full_window_is_none():
+    ids = torch.randint(3, 97, (2, 6))
+    with torch.no_grad():
+        full = tiny_model()(ids).logits
+        same = tiny_model(moda_depth_window=4)(ids).logits  # W >= L - 1 reads every earlier layer: same entries
+        narrow = tiny_model(moda_depth_window=1)(ids).logits
+    assert torch.equal(full, same)
+    assert (full - narrow).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_ffn_entry_is_exactly_the_projected_mlp_input(monkeypatch, norm_position):
+    """docs/MODA.md: the FFN-side entry is ffn_kv_proj(MLP input), its key rotated by its token's position."""
+    model = tiny_model(norm_position=norm_position)
+    layer = model.model.layers[1]
+    mlp_inputs = []
+    layer.mlp.register_forward_pre_hook(lambda module, args: mlp_inputs.append(args[0]))
+    calls = spy_on_the_op(monkeypatch)
+    with torch.no_grad():
+        model(torch.randint(3, 97, (2, 5)))
+        x = mlp_inputs[0]  # (B, T, D)
+        kv = F.linear(x, layer.ffn_kv_proj.weight, layer.ffn_kv_proj.bias).view(2, 5, 2, 2, 12)  # (B, T, Hkv, 2, d)
+        cos, sin = model.model.rotary_emb(x, torch.arange(5).unsqueeze(0))
+        key, value = kv[:, :, :, 0].transpose(1, 2), kv[:, :, :, 1].transpose(1, 2)  # (B, Hkv, T, d)
+        half = key.shape[-1] // 2
+        rotated = torch.cat([-key[..., half:], key[..., :half]], dim=-1)
+        expected_key = key * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    got_key, got_value = calls[2]["keys"][3], calls[2]["values"][3]  # [attn_0, ffn_0, attn_1, ffn_1]
+    scale = 64 * torch.finfo(torch.float32).eps * kv.abs().max().item()
+    torch.testing.assert_close(got_value, value, rtol=0, atol=scale)
+    torch.testing.assert_close(got_key, expected_key, rtol=0, atol=scale)
+
+
+def test_mutated_config_is_rejected_at_model_construction():
+    config = tiny_config()
+    config.moda_depth_window = 0
+    with pytest.raises(ValueError, match="moda_depth_window"):
+        MoDAForCausalLM(config)
+    config = tiny_config()
+    config.norm_position = "sandwich"
+    with pytest.raises(ValueError, match="norm_position"):
+        MoDAForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    "ids,message",
+    [
+        (torch.zeros(1, 0, dtype=torch.long), r"at least one token; got shape \(1, 0\)"),
+        (torch.tensor([[3, 97]]), r"\[0, vocab_size=97\); got min 3, max 97"),
+        (torch.tensor([[-1, 5]]), r"got min -1, max 5"),
+        (torch.tensor([[1.0, 2.0]]), "integer tensor"),
+    ],
+)
+def test_bad_token_inputs_raise(ids, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model()(ids)
+
+
+def test_output_attentions_of_a_decode_step_equal_the_full_forward():
+    model = tiny_model(seed=3)
+    ids = torch.randint(3, 97, (2, 6))
+    with torch.no_grad():
+        full = model(ids, output_attentions=True).attentions
+        cache = model(ids[:, :5], use_cache=True).cache
+        step = model(ids[:, 5:], cache=cache, use_cache=True, output_attentions=True).attentions
+    for layer, (a, b) in enumerate(zip(full, step)):
+        assert b.shape == (2, 4, 1, 6 + 2 * layer)  # [B, Hq, 1, S + M_l]
+        torch.testing.assert_close(b, a[:, :, -1:], rtol=1e-5, atol=1e-6)
+
+
+def test_attentions_carry_gradients():
+    """``output_attentions`` in training: the weights are part of the graph, as Llama's (``retain_grad`` works and
+    a loss on them reaches the parameters), not computed under ``no_grad``."""
+    model = tiny_model(seed=4).train()
+    out = model(torch.randint(3, 97, (2, 6)), output_attentions=True)
+    weights = out.attentions[2]
+    weights.retain_grad()
+    weights[..., 6:].sum().backward()  # the mass on layer 2's depth entries
+    assert weights.grad is not None
+    assert model.model.layers[0].ffn_kv_proj.weight.grad.abs().max() > 0
+
+
+def test_an_entry_changed_in_place_before_the_backward_raises():
+    """The op keeps the entries by reference; autograd's own saved-tensor check refuses a stale one."""
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    entry = torch.randn(1, 2, 4, 8, requires_grad=True) * 1.0
+    out = modeling_moda.moda_attention(q, k, v, [entry], [entry * 2.0])
+    entry.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
 
 
 def test_single_layer_moda_is_llama():
@@ -179,6 +275,17 @@ def test_output_attentions_and_depth_share():
     ])
     torch.testing.assert_close(share, manual)
     assert model.depth_attention_share(ids, per_head=True).shape == (4, 4)
+
+
+def test_built_on_the_llama_classes():
+    """transformers' modular style: the causal LM is a LlamaForCausalLM (its forward, accessors and plans)."""
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    assert issubclass(MoDAForCausalLM, LlamaForCausalLM)
+    assert issubclass(modeling_moda.MoDAPreTrainedModel, LlamaPreTrainedModel)
+    assert MoDAForCausalLM.forward is LlamaForCausalLM.forward
+    assert MoDAForCausalLM._tied_weights_keys == LlamaForCausalLM._tied_weights_keys
+    assert isinstance(tiny_model().model, MoDAModel)
 
 
 def test_auto_classes_and_tied_embeddings():

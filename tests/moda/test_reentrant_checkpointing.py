@@ -5,10 +5,9 @@ graph. The depth entries (the K/V every earlier layer wrote for the token) there
 layer as flat positional tensors; before, they came back inside nested tuples, cut off from the graph, and every
 gradient through them (all of layer 0's ``ffn_kv_proj``, for one) was silently missing.
 
-Both runs compute the same float64 arithmetic in different kernels (the checkpointed run stacks the entries per
-layer, the plain run reads them from the depth stream), so the results differ only by summation order: at most
-one ``eps`` per term of the longest reduction (the intermediate size), relative to the tensor's largest
-magnitude (measured: under 10 eps on these models; the loss agrees exactly).
+Both runs compute the same float64 arithmetic (the recomputation repeats it), so the results differ at most by
+summation order: one ``eps`` per term of the longest reduction (the intermediate size), relative to the tensor's
+largest magnitude. (Against the reference backend, and from outside the model: test_model_vs_reference.py.)
 """
 
 from __future__ import annotations
@@ -39,8 +38,7 @@ def loss_and_grads(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.
 @pytest.mark.parametrize("every_n_layers", [1, 2])  # 2: checkpointed and plain layers alternate
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"moda_ffn_kv": False}, {"moda_depth_window": 1}, {"moda_depth_window": 2, "moda_ffn_kv": False},
-     {"norm_position": "post"}, {"num_key_value_heads": 1}],
+    [{}, {"moda_depth_window": 2, "moda_ffn_kv": False}, {"norm_position": "post", "num_key_value_heads": 1}],
 )
 def test_reentrant_checkpointing_equals_no_checkpointing(monkeypatch, overrides, every_n_layers):
     monkeypatch.setenv("DEPTHFUSION_BACKEND", "torch")
@@ -88,8 +86,8 @@ def test_reentrant_checkpointing_frozen_base_with_input_grads(monkeypatch):
     close(grads[name], ref_grads[name], name)
 
 
-def test_reentrant_checkpointing_without_gradients_runs_the_stream(monkeypatch):
-    """No backward to replay: nothing is checkpointed and the pass runs on the depth stream, same logits."""
+def test_reentrant_checkpointing_without_gradients_changes_nothing(monkeypatch):
+    """No backward to replay: nothing is checkpointed, same logits."""
     monkeypatch.setenv("DEPTHFUSION_BACKEND", "torch")
     model = tiny_model(seed=23).to(F64).train()
     ids = torch.randint(3, 97, (2, 6))

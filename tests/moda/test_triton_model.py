@@ -2,8 +2,9 @@
 
 Triton reads ``TRITON_INTERPRET`` when its kernels are imported, so the model runs in a child process with
 ``TRITON_INTERPRET=1`` and ``DEPTHFUSION_BACKEND`` switched between ``torch`` and ``triton`` there (the model
-resolves the backend once per forward pass, from the environment). Training goes through the depth stream's
-generic path (``moda_forward_saving`` / ``moda_backward_from`` with the Triton kernels).
+resolves the backend once per forward pass, from the environment). fp32 runs on the kernels with TF32 allowed
+(``torch.set_float32_matmul_precision("high")``; the interpreter's dots are fp32 either way), and a bf16 autocast
+training step (RoPE leaves q and k in fp32, v in bf16: one compute dtype at the op's boundary) runs on them too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json, os, torch
+torch.set_float32_matmul_precision("high")  # the kernels' fp32 dots are TF32: allowed, else fp32 goes to torch
 from tests.moda.helpers import tiny_model
 from depthfusion_hf.models.moda.moda_attention import moda_triton_available
 assert moda_triton_available(), "the Triton kernels did not import under TRITON_INTERPRET=1"
@@ -33,13 +35,17 @@ for backend in ("torch", "triton"):
     model = tiny_model(seed=3).train()
     out = model(ids, attention_mask=mask, labels=ids)
     out.loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.eval()
     with torch.no_grad():
         generated = model.generate(ids[1:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
         cached = model(ids[1:]).logits
-    results[backend] = (out.logits.detach(), grads, generated, cached)
-(lt, gt, st, ct), (lr, gr, sr, cr) = results["torch"], results["triton"]
+    model.train().zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = model(ids, attention_mask=mask, labels=ids)
+    bf16.loss.backward()
+    results[backend] = (out.logits.detach(), grads, generated, cached, bf16.logits.detach().float())
+(lt, gt, st, ct, bt), (lr, gr, sr, cr, br) = results["torch"], results["triton"]
 keep = mask.bool()
 report = {
     "logits_max": lt.abs().max().item(),
@@ -48,6 +54,7 @@ report = {
     "ffn_grad": gr["model.layers.0.ffn_kv_proj.weight"].abs().max().item(),
     "eval_diff": (ct - cr).abs().max().item(),
     "same_generation": bool(torch.equal(st, sr)),
+    "bf16_logits_diff": (bt - br)[keep].abs().max().item(),
 }
 print("REPORT", json.dumps(report))
 """
@@ -70,3 +77,5 @@ def test_model_through_interpreted_triton_matches_torch_backend():
     assert report["grad_rel"] <= 128 * eps, report
     assert report["ffn_grad"] > 0, report
     assert report["same_generation"], report
+    # bf16: both backends round q, k, v and P to bf16 (8 bits), differently; 4 bf16 eps of the logits' size
+    assert report["bf16_logits_diff"] <= 4 * 2.0**-7 * max(report["logits_max"], 1.0), report

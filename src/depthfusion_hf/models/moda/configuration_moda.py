@@ -173,14 +173,17 @@ class MoDAConfig(LlamaConfig):
     """
 
     model_type = "moda"
-    # Differs from Llama: the FFN-side depth K/V projection is laid out head-major ([Hkv, 2, d]), so a
-    # column-wise shard holds whole heads, like k_proj / v_proj.
-    base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "layers.*.ffn_kv_proj": "colwise"}
 
     moda_ffn_kv: bool = True
     norm_position: str = "pre"
     moda_depth_window: int | None = None
     op_backend: str | None = None
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Llama's plan, plus the FFN-side depth K/V projection where the layers have one (``moda_ffn_kv``): it is
+        laid out head-major ([Hkv, 2, d]), so a column-wise shard holds whole heads, like k_proj / v_proj."""
+        return {**LlamaConfig.base_model_tp_plan, **({"layers.*.ffn_kv_proj": "colwise"} if self.moda_ffn_kv else {})}
 
     # Copied from depthfusion_hf.models.denseformer.configuration_denseformer.DenseFormerConfig.__post_init__
     def __post_init__(self, **kwargs):

@@ -1,52 +1,22 @@
-"""Mixture-of-Depths Attention (MoDA), the op behind the MoDA family (arXiv 2603.15619).
+"""Mixture-of-Depths Attention (MoDA), the op of the MoDA family (arXiv 2603.15619).
 
-A query token attends, in ONE softmax with one scale, to
+A query token attends, in ONE softmax with one scale, to the causal sequence keys/values of its layer and to
+its own ``M`` depth keys/values (entries written for the same token by earlier layers)::
 
-- the causal sequence keys/values of its layer (``k``, ``v``: the usual attention pool), and
-- its own ``M`` depth keys/values (``depth_k``, ``depth_v``: entries written for the *same token* by
-  earlier layers). Depth entries of other tokens are never visible.
+    out[b, h, t] = softmax([q K_seq^T | q K_depth(t)^T] * scale) [V_seq ; V_depth(t)]
 
-Three implementations behind :func:`moda_attention`, one signature:
-
-- ``"reference"``: loops over batch, head and token, obviously correct, autograd does the rest.
-- ``"torch"``: vectorised (no Python loop over tokens or layers), two implementations:
-
-  - on CPU (:func:`moda_torch_flash_cpu`): the sequence pool through SDPA's fused flash kernel
-    (``aten._scaled_dot_product_flash_attention_for_cpu``, which also returns the row log-sum-exp),
-    the depth pool as small batched products, merged exactly by log-sum-exp in one custom autograd
-    Function whose backward reuses the kernel's backward (no [T, S] matrix is kept);
-  - elsewhere, under a Python dispatch mode, or with a mask that needs a gradient
-    (:func:`moda_torch_math`): sequence logits [.., T, S] and depth logits [.., T, M] concatenated
-    along the last dim, one softmax, split.
-
-  GQA reshapes the queries to [B, Hkv, G, T, d] instead of copying keys with ``repeat_interleave``.
-- ``"triton"``: a fused kernel (``moda_triton.py``) for CUDA tensors, used when Triton imports.
-
-The backend is chosen by the ``backend`` argument, else the ``DEPTHFUSION_BACKEND`` environment
-variable, else automatically (Triton for CUDA tensors when available, PyTorch otherwise).
-
-One convention for callers:
-
-- :func:`moda_attention` validates the inputs, resolves the backend and calls
-  :func:`moda_attention_with_backend`, the unvalidated core a model calls after resolving once per
-  forward. The core routes what a kernel cannot compute: float64 and a float mask that needs a
-  gradient go from Triton to the PyTorch path (``moda_triton.py`` never imports this module).
-- Every path is differentiable twice: the custom Functions (CPU flash, Triton) compute second-order
-  gradients by recomputing the materialised :func:`moda_torch_math` under ``create_graph=True``.
-- :func:`moda_forward_saving` / :func:`moda_backward_from`: the forward without an autograd graph and
-  its backward as plain functions (CPU flash path and Triton), for a caller that owns the backward of a
-  whole pass (the model's depth stream); depth entries may be strided views of a larger buffer.
-
-This file must stay self-contained (only ``torch`` and same-folder relative imports): it is
-copied next to the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+One entry point, :func:`moda_attention` (its docstring holds the dispatch table), and three implementations:
+:func:`moda_reference` (the paper's loop), the PyTorch path (:func:`torch_moda_forward` / :func:`torch_moda_backward`,
+in :class:`_MoDAFunction`) and the Triton kernels of ``moda_triton.py`` (the same Function). Self-contained (only
+``torch`` and same-folder relative imports): ``save_pretrained`` copies it next to the model code.
 """
 
-from __future__ import annotations
-
+import contextlib
+import functools
 import logging
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
@@ -60,24 +30,16 @@ def triton_unavailable(*_args: object) -> bool:
 
 
 try:  # Triton is optional: the model loads and runs without it.
-    from .moda_triton import (
-        TRITON_MODA_DTYPES,
-        moda_triton_available,
-        moda_triton_runs_on,
-        triton_moda_attention,
-        triton_moda_backward,
-        triton_moda_forward,
-    )
+    from .moda_triton import moda_triton_available, moda_triton_runs_on, triton_moda_backward, triton_moda_forward
 except Exception:  # pragma: no cover - depends on the environment
-    TRITON_MODA_DTYPES = ()
-    triton_moda_attention = triton_moda_forward = triton_moda_backward = None
+    triton_moda_forward = triton_moda_backward = None
     moda_triton_available = moda_triton_runs_on = triton_unavailable
-
 
 BACKENDS = ("reference", "torch", "triton")
 BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
-# The dtypes every path computes correctly; others (integers, complex, float8) are rejected, not rounded.
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # floating inputs every path computes
+# SDPA's fused CPU kernel; it also returns the row log-sum-exp, which no public API gives.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 # Copied from depthfusion_hf.models.denseformer.dwa.resolve_backend with _forward_backward->, dwa_->moda_
@@ -122,679 +84,417 @@ def resolve_backend(backend: str | None, device: torch.device, config_backend: s
         raise ValueError(
             f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
         )
-    if backend is None:
+    if backend is None and not torch.compiler.is_compiling():  # a log call would break a compiled graph
         logger.debug("%s: backend %r on %s", __name__, choice, device)
     return choice
 
 
-def _shape(x: torch.Tensor) -> tuple[int, ...]:
-    return tuple(x.shape)
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:  # float64 for float64, else float32 (exact for every input)
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def check_moda_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-) -> None:
-    """Raise a ValueError naming the argument and the expected shape, dtype or device when the inputs do not
-    fit together (k, v, depth_k, depth_v share q's dtype, one of ``DTYPES``, and its device; the mask is
-    bool or floating, on q's device)."""
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, Hq, T, d]; got {_shape(q)}")
-    if q.dtype not in DTYPES:
-        raise ValueError(f"q must have a floating dtype in {DTYPES}; got {q.dtype}")
-    batch, num_q_heads, q_len, head_dim = q.shape
-    if k.dim() != 4:
-        raise ValueError(f"k must have shape [B, Hkv, S, d]; got {_shape(k)}")
-    num_kv_heads, kv_len = k.shape[1], k.shape[2]
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k must have shape [B={batch}, Hkv, S, d={head_dim}]; got {_shape(k)}")
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"k must have Hkv heads with Hq={num_q_heads} a multiple of Hkv; got {_shape(k)}")
-    if kv_len < q_len:
-        raise ValueError(f"k must have S >= T={q_len} positions (queries are the last T of S); got {_shape(k)}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k, {_shape(k)}; got {_shape(v)}")
-    if depth_k.dim() != 5:
-        raise ValueError(f"depth_k must have shape [B, Hkv, T, M, d]; got {_shape(depth_k)}")
-    expected = (batch, num_kv_heads, q_len, depth_k.shape[3], head_dim)
-    if _shape(depth_k) != expected:
-        raise ValueError(f"depth_k must have shape [B, Hkv, T, M, d] = {expected}; got {_shape(depth_k)}")
-    if depth_v.shape != depth_k.shape:
-        raise ValueError(f"depth_v must have the shape of depth_k, {_shape(depth_k)}; got {_shape(depth_v)}")
-    for name, x in (("k", k), ("v", v), ("depth_k", depth_k), ("depth_v", depth_v)):
-        if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(
-                f"{name} must share q's dtype and device ({q.dtype}, {q.device}); got {x.dtype}, {x.device}"
-            )
-    if attention_mask is not None:
-        target = (batch, num_q_heads, q_len, kv_len)
-        try:
-            broadcast = torch.broadcast_shapes(attention_mask.shape, target)
-        except RuntimeError:
-            broadcast = None
-        if attention_mask.dim() > 4 or broadcast != target:
-            raise ValueError(
-                f"attention_mask must be broadcastable to [B, Hq, T, S] = {target}; got {_shape(attention_mask)}"
-            )
-        if attention_mask.dtype != torch.bool and attention_mask.dtype not in DTYPES:
-            raise ValueError(
-                f"attention_mask must be bool (True = attend) or additive float {DTYPES}; got {attention_mask.dtype}"
-            )
-        if attention_mask.device != q.device:
-            raise ValueError(f"attention_mask must be on q's device {q.device}; got {attention_mask.device}")
-
-
-def _causal_keep(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[T, S] bool: query ``t`` (position ``S - T + t``) may see key ``j`` iff ``j <= S - T + t``."""
-    rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
-    return torch.arange(kv_len, device=device).unsqueeze(0) <= rows
-
-
-def _masked_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim that returns zeros (not NaN) for rows whose entries are all ``-inf``."""
+def _masked_softmax(logits: torch.Tensor) -> torch.Tensor:  # softmax, zeros (not NaN) for a row of only -inf
     row_max = logits.amax(dim=-1, keepdim=True).detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = torch.exp(logits - row_max)
+    weights = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)))
     total = weights.sum(dim=-1, keepdim=True)
     return weights / torch.where(total > 0, total, torch.ones_like(total))
 
 
-def moda_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-) -> torch.Tensor:
+def moda_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth_k: torch.Tensor, depth_v: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
     """The definition, one (batch, head, token) at a time, in float32 (float64 stays float64).
 
-    Args:
-        q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
-        attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S].
-    Returns:
-        [B, Hq, T, d] in q's dtype.
-    """
-    batch, num_q_heads, q_len, _ = q.shape
-    num_kv_heads, kv_len = k.shape[1], k.shape[2]
-    group = num_q_heads // num_kv_heads
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    mask = None
-    if attention_mask is not None:
-        mask = attention_mask.expand(batch, num_q_heads, q_len, kv_len)
-    rows = []
+    q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d]; the mask bool (True = attend) or
+    additive float, broadcastable to [B, Hq, T, S]. Returns [B, Hq, T, d] in q's dtype (zeros for a row that sees
+    no entry, and for B = 0 or T = 0)."""
+    (batch, num_q_heads, q_len), kv_len = q.shape[:3], k.shape[2]
+    group, work = num_q_heads // k.shape[1], _work_dtype(q.dtype)
+    mask = None if attention_mask is None else attention_mask.expand(batch, num_q_heads, q_len, kv_len)
+    out = torch.zeros(q.shape, dtype=work, device=q.device)
     for b in range(batch):
-        heads = []
         for h in range(num_q_heads):
-            kv = h // group
-            tokens = []
             for t in range(q_len):
                 visible = kv_len - q_len + t + 1 if causal else kv_len
                 query = q[b, h, t].to(work)
-                seq_logits = (k[b, kv, :visible].to(work) @ query) * scale  # (visible,)
-                if mask is not None:
-                    row_mask = mask[b, h, t, :visible]
-                    if row_mask.dtype == torch.bool:
-                        seq_logits = seq_logits.masked_fill(~row_mask, float("-inf"))
-                    else:
-                        seq_logits = seq_logits + row_mask.to(work)
-                depth_logits = (depth_k[b, kv, t].to(work) @ query) * scale  # (M,)
-                weights = _masked_softmax(torch.cat([seq_logits, depth_logits]))
-                out = weights[:visible] @ v[b, kv, :visible].to(work)
-                out = out + weights[visible:] @ depth_v[b, kv, t].to(work)
-                tokens.append(out)
-            heads.append(torch.stack(tokens))
-        rows.append(torch.stack(heads))
-    return torch.stack(rows).to(q.dtype)
+                logits = (k[b, h // group, :visible].to(work) @ query) * scale  # (visible,)
+                if mask is not None and mask.dtype == torch.bool:
+                    logits = logits.masked_fill(~mask[b, h, t, :visible], float("-inf"))
+                elif mask is not None:
+                    row = mask[b, h, t, :visible].to(work)
+                    logits = (logits + row).masked_fill(row == float("-inf"), float("-inf"))
+                logits = torch.cat([logits, (depth_k[b, h // group, t].to(work) @ query) * scale])
+                weights = _masked_softmax(logits)
+                out[b, h, t] = weights[:visible] @ v[b, h // group, :visible].to(work) + (
+                    weights[visible:] @ depth_v[b, h // group, t].to(work))
+    return out.to(q.dtype)
 
 
-def moda_joint_probs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    depth_k: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-) -> torch.Tensor:
-    """The joint softmax weights over ``[sequence keys | depth keys]``, vectorised.
+def _rows(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, Hq, T, *rest] -> [N, G, *rest], N = B * T * Hkv tokens in (batch, position, KV head) order; a view for
+    tensors laid out [B, T, Hq, ...] (the projections' queries, the fused kernel's output)."""
+    batch, num_q_heads, q_len = x.shape[:3]
+    return x.transpose(1, 2).reshape(batch * q_len * num_kv_heads, num_q_heads // num_kv_heads, *x.shape[3:])
 
-    Args:
-        q: [B, Hq, T, d]; k: [B, Hkv, S, d]; depth_k: [B, Hkv, T, M, d].
-    Returns:
-        [B, Hkv, G, T, S + M] float32 (float64 for float64 inputs), G = Hq / Hkv; query head
-        ``h`` is ``[:, h // G, h % G]``. Rows with no visible entry are all zeros.
-    """
+
+def _from_rows(x: torch.Tensor, batch: int, q_len: int) -> torch.Tensor:
+    """[N, G, *rest] -> [B, Hq, T, *rest] (inverse of :func:`_rows`), a view laid out [B, T, Hq, ...]."""
+    return x.reshape(batch, q_len, x.shape[0] // (batch * q_len) * x.shape[1], *x.shape[2:]).transpose(1, 2)
+
+
+def _stack(entries: Sequence[torch.Tensor], q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """M entries [B, Hkv, T, d] -> one token-major tensor [B, T, Hkv, M, d] (a fresh copy; M = 0: empty)."""
+    empty = q.new_empty(q.shape[0], q.shape[2], num_kv_heads, 0, q.shape[3])
+    return torch.stack([e.transpose(1, 2) for e in entries], dim=3) if entries else empty
+
+
+def _masked_logits(q, k, attention_mask, scale, causal):
+    """Scaled sequence logits [B, Hkv, G, T, S] in the work dtype, hidden keys at ``-inf`` (their logit is
+    replaced, not added to, so a NaN key behind the mask is gone). Differentiable (in-place ops are safe)."""
     batch, num_q_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
-    group = num_q_heads // num_kv_heads
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # GQA without copies: query head h = kv * G + g, so [B, Hq, T, d] -> [B, Hkv, G * T, d].
-    q_rows = q.reshape(batch, num_kv_heads, group * q_len, head_dim)
-    seq_logits = (q_rows @ k.transpose(-1, -2)).to(work) * scale  # (B, Hkv, G*T, S)
-    seq_logits = seq_logits.view(batch, num_kv_heads, group, q_len, kv_len)
-    if causal:
-        keep = _causal_keep(q_len, kv_len, q.device)  # (T, S)
-        seq_logits = seq_logits.masked_fill(~keep, float("-inf"))
+    work = _work_dtype(q.dtype)
+    queries = q.reshape(batch, num_kv_heads, -1, head_dim).to(work)  # query head h = kv * G + g
+    logits = torch.matmul(queries, k.to(work).transpose(-1, -2)).mul_(scale)
+    logits = logits.view(batch, num_kv_heads, -1, q_len, kv_len)
+    if causal and q_len > 1:
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril_(kv_len - q_len)  # j <= S - T + t
+        logits.masked_fill_(~keep, float("-inf"))
     if attention_mask is not None:
-        mask = attention_mask.expand(batch, num_q_heads, q_len, kv_len)
-        mask = mask.reshape(batch, num_kv_heads, group, q_len, kv_len)
+        mask = attention_mask
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.unflatten(1, (num_kv_heads, -1))
         if mask.dtype == torch.bool:
-            seq_logits = seq_logits.masked_fill(~mask, float("-inf"))
+            logits.masked_fill_(~mask, float("-inf"))
         else:
-            seq_logits = seq_logits + mask.to(work)
-    # Depth pool: token t of query head (kv, g) reads depth_k[:, kv, t]. (B, Hkv, T, G, d) @ (B, Hkv, T, d, M)
-    q_tokens = q.reshape(batch, num_kv_heads, group, q_len, head_dim).transpose(2, 3)
-    depth_logits = (q_tokens @ depth_k.transpose(-1, -2)).to(work) * scale  # (B, Hkv, T, G, M)
-    depth_logits = depth_logits.transpose(2, 3)  # (B, Hkv, G, T, M)
-    return _masked_softmax(torch.cat([seq_logits, depth_logits], dim=-1))
+            logits.add_(mask.to(work)).masked_fill_(mask == float("-inf"), float("-inf"))
+    return logits
 
 
-def moda_torch_math(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-) -> torch.Tensor:
-    """Vectorised MoDA, materialised: one joint softmax (see :func:`moda_joint_probs`), then both weighted sums.
+def _flash_applies(q, k, attention_mask, scale, causal) -> bool:
+    """SDPA's fused CPU kernel serves the sequence pool: CPU, no mask but causality, aligned (T = S or T = 1), and a
+    positive scale (the kernel masks before it scales: a zero or negative scale turns hidden keys into NaN/+inf)."""
+    return (_FLASH_CPU is not None and q.device.type == "cpu" and attention_mask is None and scale > 0
+            and (not causal or q.shape[2] in (1, k.shape[2])))
 
-    Holds the [B, Hq, T, S + M] probabilities (and autograd keeps several such tensors); any device,
-    twice differentiable. :func:`moda_torch` uses it where the fused CPU path does not apply.
 
-    Args:
-        q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
-    Returns:
-        [B, Hq, T, d] in q's dtype.
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()  # the fused CPU kernel assumes a unit-stride last dim
+
+
+def _sequence_pool(q, k, v, attention_mask, scale, causal):
+    """The sequence pool alone, no autograd: ``(out [B, Hq, T, d], lse [B, Hq, T])``; a row without a visible key
+    has out 0 and lse ``-inf``. The fused CPU kernel where it applies (its causal masking never reads a hidden
+    key), else materialised in the work dtype."""
+    batch, num_q_heads, q_len, head_dim = q.shape
+    if _flash_applies(q, k, attention_mask, scale, causal):
+        return _FLASH_CPU(_unit_stride(q), _unit_stride(k), _unit_stride(v), 0.0, causal and q_len > 1, scale=scale)
+    logits = _masked_logits(q, k, attention_mask, scale, causal).flatten(2, 3)  # (B, Hkv, G*T, S)
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = logits.sub_(_finite_or_inf(lse).unsqueeze(-1)).exp_()
+    out = torch.matmul(probs, v.to(probs.dtype))  # (B, Hkv, G*T, d)
+    return out.view(batch, num_q_heads, q_len, head_dim), lse.view(batch, num_q_heads, q_len)
+
+
+def _entry_rows(entry: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An entry [B, Hkv, T, d] as rows [N, d, 1] (bmm operands) in :func:`_rows`' order (a view if [B, T, Hkv, d])."""
+    return entry.transpose(1, 2).reshape(-1, entry.shape[-1], 1).to(dtype)
+
+
+def _depth_dots(rows: torch.Tensor, entries: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N, G, M]: each row [N, G, d] dotted with its token's M entries (rows [N, d, 1] each): one ``bmm`` per entry
+    (no [N, G, d] temporary: fresh memory costs page faults on CPU; the entries are separate tensors)."""
+    products = [torch.bmm(rows, entry) for entry in entries]
+    return torch.cat(products, dim=-1) if products else rows.new_zeros(*rows.shape[:2], 0)
+
+
+def _finite_or_inf(lse: torch.Tensor) -> torch.Tensor:
+    """``-inf`` (a row that sees no entry) -> ``+inf``, so that every ``exp(logit - lse)`` of the row is 0."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def torch_moda_forward(q, k, v, keys, values, attention_mask, scale, causal):
+    """The PyTorch forward, no autograd: ``(out [B, Hq, T, d] in q's dtype, lse, lse_seq)`` for q [B, Hq, T, d], k, v
+    [B, Hkv, S, d] and the M entries ``keys``, ``values`` [B, Hkv, T, d] each (read in place), all one dtype.
+
+    The sequence pool (out_s, lse_s) merged with the depth logits ``l_m``: ``lse = logaddexp(lse_s, logsumexp_m
+    l_m)`` [B, Hq, T] (work dtype; ``+inf`` for a row that sees no entry), ``out = exp(lse_s - lse) out_s +
+    sum_m exp(l_m - lse) v_m``; ``lse_seq`` is lse_s as the pool computed it.
+    """
+    batch, num_q_heads, q_len, _ = q.shape
+    num_kv_heads, work = k.shape[1], _work_dtype(q.dtype)
+    out_seq, lse_seq = _sequence_pool(q, k, v, attention_mask, scale, causal)
+    if not keys:
+        return out_seq.to(q.dtype), _finite_or_inf(lse_seq.to(work)), lse_seq
+    q_rows, lse_rows = _rows(q, num_kv_heads).to(work), _rows(lse_seq, num_kv_heads).to(work)  # (N, G, d), (N, G)
+    logits = _depth_dots(q_rows, [_entry_rows(e, work) for e in keys]).mul_(scale)  # (N, G, M)
+    lse = _finite_or_inf(torch.logaddexp(lse_rows, torch.logsumexp(logits, dim=-1)))
+    out = _rows(out_seq, num_kv_heads).to(work).mul_((lse_rows - lse).exp_().unsqueeze(-1))  # out_seq is ours
+    probs = logits.sub_(lse.unsqueeze(-1)).exp_()
+    for m, value in enumerate(values):
+        out.addcmul_(_entry_rows(value, work).transpose(1, 2), probs[..., m, None])
+    return _from_rows(out, batch, q_len).to(q.dtype), _from_rows(lse, batch, q_len), lse_seq
+
+
+def torch_moda_backward(grad_out, q, k, v, keys, values, attention_mask, out, lse, lse_seq, scale, causal):
+    """The backward of :func:`torch_moda_forward` in differentiable torch ops (``create_graph=True`` works).
+
+    Every joint logit gets ``dS = P (dP - D)``, ``P = exp(logit - lse)``, ``dP = dO . v``, ``D = rowsum(dO out)``.
+    Under ``create_graph`` lse is recomputed from the logits (its own dependence on the inputs is differentiated);
+    else on the fused kernel's path the sequence pool's gradients are its backward's for ``alpha dO``, ``alpha =
+    exp(lse_seq - lse)``: it forms ``alpha P_s (dP - D) = dS``. Returns ``(dq, dk, dv, d_mask or None, d_keys,
+    d_values)``, the entries' gradients as lists of separate [B, Hkv, T, d] tensors, each in its input's dtype.
     """
     batch, num_q_heads, q_len, head_dim = q.shape
-    num_kv_heads, kv_len = k.shape[1], k.shape[2]
-    group = num_q_heads // num_kv_heads
-    probs = moda_joint_probs(q, k, depth_k, attention_mask, scale, causal)  # (B, Hkv, G, T, S + M)
-    seq_probs, depth_probs = probs.split([kv_len, probs.shape[-1] - kv_len], dim=-1)
-    seq_probs = seq_probs.to(v.dtype).reshape(batch, num_kv_heads, group * q_len, kv_len)
-    out = (seq_probs @ v).view(batch, num_kv_heads, group, q_len, head_dim).to(probs.dtype)
-    depth_probs = depth_probs.to(depth_v.dtype).transpose(2, 3)  # (B, Hkv, T, G, M)
-    depth_out = (depth_probs @ depth_v).transpose(2, 3)  # (B, Hkv, G, T, d)
-    out = out + depth_out.to(probs.dtype)
-    return out.reshape(batch, num_q_heads, q_len, head_dim).to(q.dtype)
-
-
-# The fused CPU flash-attention op of SDPA, which also returns the row log-sum-exp (absent in old builds).
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-_FLASH_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def _sequence_mask(
-    attention_mask: torch.Tensor | None, causal: bool, q_len: int, kv_len: int, dtype: torch.dtype
-) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
-    """The sequence-pool masking in the form the CPU flash kernel takes.
-
-    Returns ``(mask, is_causal, empty_rows)``: ``mask`` None or an additive 4-d mask in ``dtype``
-    broadcastable to [B, Hq, T, S]; ``is_causal`` for the kernel's own (top-left aligned, so only
-    exact when S = T) causal mask; ``empty_rows`` None or bool [b, h, T] (broadcastable to [B, Hq, T]),
-    True where a query row sees no sequence key at all (the kernel returns a log-sum-exp of 0 there).
-    """
-    is_causal = causal and q_len == kv_len
-    keep = None
-    if causal and q_len != kv_len and q_len > 1:  # bottom-right aligned causality: an explicit mask
-        keep = _causal_keep(q_len, kv_len, torch.device("cpu"))  # (T, S)
-    if attention_mask is None and keep is None:
-        return None, is_causal, None
-    if attention_mask is None:
-        mask = torch.zeros(q_len, kv_len, dtype=dtype)
-    elif attention_mask.dtype == torch.bool:
-        mask = torch.zeros(attention_mask.shape, dtype=dtype).masked_fill(~attention_mask, float("-inf"))
+    num_kv_heads, work, second_order = k.shape[1], _work_dtype(q.dtype), torch.is_grad_enabled()
+    grad = grad_out.to(work)
+    q_rows, grad_rows = _rows(q, num_kv_heads).to(work), _rows(grad, num_kv_heads)  # (N, G, d)
+    key_rows, value_rows = [_entry_rows(e, work) for e in keys], [_entry_rows(e, work) for e in values]
+    depth_logits = _depth_dots(q_rows, key_rows) * scale  # (N, G, M)
+    flash = _flash_applies(q, k, attention_mask, scale, causal) and not second_order
+    delta = None if flash and not keys else torch.linalg.vecdot(grad, out.to(work))  # D = rowsum(dO out), (B, Hq, T)
+    grad_mask = None
+    if flash:
+        grad_seq = (grad * (lse_seq.to(work) - lse).exp_().unsqueeze(-1)).to(q.dtype) if keys else grad_out
+        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_seq, _unit_stride(q), _unit_stride(k), _unit_stride(v), out, lse_seq, 0.0, causal and q_len > 1,
+            scale=scale)
     else:
-        mask = attention_mask.detach().to(dtype)
-    if keep is not None:
-        mask = mask.masked_fill(~keep, float("-inf"))
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0)
-    empty_rows = None
-    if attention_mask is not None:
-        visible = mask > float("-inf")
-        if is_causal:
-            visible = visible & _causal_keep(q_len, kv_len, torch.device("cpu"))
-        empty = ~visible.any(dim=-1)  # (b, h, T)
-        if bool(empty.any()):
-            empty_rows = empty
-    return mask, is_causal, empty_rows
+        logits = _masked_logits(q, k, attention_mask, scale, causal)  # (B, Hkv, G, T, S)
+        if second_order:
+            lse_rows = _rows(torch.logsumexp(logits, -1).flatten(1, 2), num_kv_heads)
+            lse = _from_rows(_finite_or_inf(torch.logaddexp(lse_rows, torch.logsumexp(depth_logits, dim=-1))),
+                             batch, q_len)
+        probs = torch.exp(logits - lse.reshape(batch, num_kv_heads, -1, q_len, 1)).flatten(2, 3)
+        grad_heads = grad.reshape(batch, num_kv_heads, -1, head_dim)  # (B, Hkv, G*T, d): query head h = kv*G + g
+        grad_logits = torch.matmul(grad_heads, v.to(work).transpose(-1, -2))
+        grad_logits = probs * grad_logits.sub_(delta.reshape(batch, num_kv_heads, -1, 1))
+        grad_q = torch.matmul(grad_logits, k.to(work)).mul_(scale).view(q.shape)
+        grad_k = torch.matmul(grad_logits.transpose(-1, -2), q.reshape(grad_heads.shape).to(work)).mul_(scale)
+        grad_v = torch.matmul(probs.transpose(-1, -2), grad_heads)
+        if attention_mask is not None and attention_mask.is_floating_point() and attention_mask.requires_grad:
+            grad_mask = grad_logits.view(batch, num_q_heads, q_len, -1).sum_to_size(attention_mask.shape)
+            grad_mask = grad_mask.to(attention_mask.dtype)
+    grad_keys, grad_values = [], []
+    if keys:
+        depth_probs = torch.exp(depth_logits - _rows(lse, num_kv_heads).unsqueeze(-1))  # (N, G, M)
+        depth_grad_logits = _depth_dots(grad_rows, value_rows) - _rows(delta, num_kv_heads).unsqueeze(-1)
+        depth_grad_logits = depth_probs * depth_grad_logits * scale  # scaled dS: the logits were scaled
+        grad_q_rows = _rows(grad_q.to(work), num_kv_heads)
+        for m, key in enumerate(key_rows):
+            grad_q_rows = grad_q_rows.addcmul_(key.transpose(1, 2), depth_grad_logits[..., m, None])
+        grad_q = _from_rows(grad_q_rows, batch, q_len)
+        for weights, rows, grads, entries in ((depth_grad_logits, q_rows, grad_keys, keys),
+                                              (depth_probs, grad_rows, grad_values, values)):
+            for m, entry in enumerate(entries):  # sum over the G query heads of the entry's KV head
+                grad_entry = rows[:, 0] * weights[:, 0, m, None]
+                for g in range(1, rows.shape[1]):
+                    grad_entry.addcmul_(rows[:, g], weights[:, g, m, None])
+                grads.append(_from_rows(grad_entry.view(batch * q_len, num_kv_heads, head_dim), batch, q_len)
+                             .to(entry.dtype))
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), grad_mask, grad_keys, grad_values
 
 
-def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself when its last dim is unit-stride, else a contiguous copy: the CPU flash kernel
-    assumes a unit stride there and returns garbage otherwise (any other stride, 0 included, is read right)."""
-    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+def _kernel_forward(q, k, v, keys, values, attention_mask, scale, causal, backend):
+    """``(out, lse, lse_seq)`` of the ``"torch"`` or ``"triton"`` forward, no autograd (the Triton path stacks the
+    entries transiently; its lse is the joint one, which the backward reads as both)."""
+    if backend == "triton":
+        out, lse = triton_moda_forward(q, k, v, *(_stack(x, q, k.shape[1]) for x in (keys, values)), attention_mask,
+                                       scale, causal)
+        return out, lse, lse
+    return torch_moda_forward(q, k, v, keys, values, attention_mask, scale, causal)
 
 
-def _flash_cpu_forward(q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale):
-    """The fused CPU forward without autograd: ``(out [B, Hq, T, d], (lse_kernel, alpha, probs))``.
-
-    ``q``, ``k``, ``v`` must have a unit-stride last dim (see :func:`_unit_stride_last`); the depth
-    tensors may have any strides. ``mask``, ``is_causal``, ``empty_rows`` from :func:`_sequence_mask`.
-    """
-    batch, num_q_heads, q_len, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_q_heads // num_kv_heads
-    out_seq, lse_kernel = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse_seq = lse_kernel.to(work)  # (B, Hq, T)
-    if empty_rows is not None:
-        lse_seq = lse_seq.masked_fill(empty_rows, float("-inf"))
-        out_seq = out_seq.masked_fill(empty_rows.unsqueeze(-1), 0.0)  # alpha is 0 there: keep 0 * out finite
-    lse_seq = lse_seq.view(batch, num_kv_heads, group, q_len)
-    q5 = q.view(batch, num_kv_heads, group, q_len, head_dim).to(work)
-    depth_logits = torch.einsum("bhgtd,bhtmd->bhgtm", q5, depth_k.to(work)) * scale  # (B, Hkv, G, T, M)
-    lse = torch.logaddexp(lse_seq, torch.logsumexp(depth_logits, dim=-1))  # (B, Hkv, G, T)
-    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # no visible entry: zeros, not NaN
-    alpha = torch.exp(lse_seq - lse)  # (B, Hkv, G, T)
-    probs = torch.exp(depth_logits - lse.unsqueeze(-1))  # (B, Hkv, G, T, M)
-    out = alpha.unsqueeze(-1) * out_seq.view(batch, num_kv_heads, group, q_len, head_dim).to(work)
-    out = out + torch.einsum("bhgtm,bhtmd->bhgtd", probs, depth_v.to(work))
-    return out.reshape(batch, num_q_heads, q_len, head_dim).to(q.dtype), (lse_kernel, alpha, probs)
-
-
-def _flash_cpu_backward(grad_out, q, k, v, depth_k, depth_v, out, state, mask, is_causal, scale, needs):
-    """The fused CPU backward without autograd: the five gradients, None where ``needs`` is False.
-
-    See ``_MoDAFlashCPU`` for the derivation; ``state`` is the second value of :func:`_flash_cpu_forward`.
-    """
-    lse_kernel, alpha, probs = state
-    batch, num_q_heads, q_len, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_q_heads // num_kv_heads
-    work = alpha.dtype
-    shape5 = (batch, num_kv_heads, group, q_len, head_dim)
-    grad5 = grad_out.to(work).reshape(shape5)  # (B, Hkv, G, T, d)
-    grad_q = grad_k = grad_v = grad_depth_k = grad_depth_v = None
-    if needs[0] or needs[1] or needs[2]:
-        grad_seq = (alpha.unsqueeze(-1) * grad5).view(batch, num_q_heads, q_len, head_dim).to(q.dtype)
-        grad_q, grad_k, grad_v = _FLASH_CPU_BACKWARD(
-            grad_seq, q, k, v, out, lse_kernel, 0.0, is_causal, attn_mask=mask, scale=scale
-        )
-    if probs.shape[-1] > 0 and (needs[0] or needs[3]):
-        delta = (grad5 * out.to(work).view(shape5)).sum(dim=-1)  # D = rowsum(dO * out), (B, Hkv, G, T)
-        grad_probs = torch.einsum("bhgtd,bhtmd->bhgtm", grad5, depth_v.to(work))  # (B, Hkv, G, T, M)
-        # dS = P (dP - D), times the logit scale here on the small [.., M] tensor, not on [.., M, d].
-        grad_logits = probs * (grad_probs - delta.unsqueeze(-1)) * scale
-        if needs[0]:
-            grad_q_depth = torch.einsum("bhgtm,bhtmd->bhgtd", grad_logits, depth_k.to(work))
-            grad_q = (grad_q.to(work).reshape(shape5) + grad_q_depth).reshape(q.shape).to(q.dtype)
-        if needs[3]:
-            q5 = q.view(shape5).to(work)
-            grad_depth_k = torch.einsum("bhgtm,bhgtd->bhtmd", grad_logits, q5).to(depth_k.dtype)
-    elif needs[3]:
-        grad_depth_k = torch.zeros(depth_k.shape, dtype=depth_k.dtype)
-    if needs[4]:
-        grad_depth_v = torch.einsum("bhgtm,bhgtd->bhtmd", probs, grad5).to(depth_v.dtype)
-    grads = (grad_q, grad_k, grad_v, grad_depth_k, grad_depth_v)
-    return tuple(g if need else None for g, need in zip(grads, needs))
-
-
-def _second_order_grads(inputs, needs, grad_out, attention_mask, scale, causal):
-    """Gradients of :func:`moda_torch_math` recomputed with ``create_graph=True`` (a custom Function's
-    backward run under ``create_graph``): correct, twice differentiable, and materialised [T, S].
-
-    Recomputed from aliases (views) of the inputs that only it reads: with respect to the inputs themselves the
-    gradient would be the total derivative through the caller's graph, where one input may depend on another (keys
-    computed from the queries, depth entries from the keys); the result stays connected to the inputs."""
-    inputs = [x.view_as(x) for x in inputs]
-    out = moda_torch_math(*inputs, attention_mask, scale, causal)
-    wanted = [x for x, need in zip(inputs, needs) if need]
-    grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True, allow_unused=True))
-    result = [next(grads) if need else None for need in needs]
-    return tuple(torch.zeros_like(x) if need and g is None else g for x, need, g in zip(inputs, needs, result))
-
-
-class _MoDAFlashCPU(torch.autograd.Function):
-    """MoDA as SDPA's fused CPU flash attention over the sequence pool plus the depth pool, merged exactly.
-
-    With ``o_s``, ``lse_s`` the sequence pool's normalised output and row log-sum-exp (from the kernel)
-    and ``l_m = scale q . depth_k_m`` the depth logits, the joint softmax is
-
-        lse = logaddexp(lse_s, logsumexp_m l_m),  alpha = exp(lse_s - lse),  p_m = exp(l_m - lse)
-        out = alpha o_s + sum_m p_m depth_v_m.
-
-    Backward (FlashAttention style, nothing [T, S] saved): with ``D = rowsum(dO * out)`` every
-    joint logit gets ``dS = P (dP - D)``. The sequence part is the kernel's own backward called with
-    ``grad_out = alpha dO`` and ``out = out`` (the *joint* output): the kernel recomputes
-    ``P_s = exp(S - lse_s)`` and forms ``P_s (alpha dO . v - rowsum(alpha dO * out)) = alpha P_s (dP - D)``,
-    which is exactly the joint ``dS`` on the sequence keys since ``P = alpha P_s``; its dV is
-    ``P_s^T alpha dO = P^T dO``. The depth part is a few small batched products. Saved: the inputs,
-    the output, the kernel's log-sum-exp [B, Hq, T], ``alpha`` [B, Hq, T] and ``p`` [B, Hq, T, M].
-
-    Second-order gradients (a backward under ``create_graph=True``) are computed by recomputing the
-    materialised :func:`moda_torch_math` on the saved inputs and differentiating it.
-    """
+class _MoDAFunction(torch.autograd.Function):
+    """MoDA on the ``"torch"`` or ``"triton"`` path with autograd: ``apply(q, k, v, attention_mask, scale, causal,
+    backend, num_keys, *entries)``, ``entries`` = the window's keys then values, each [B, Hkv, T, d]. Saves q, k, v,
+    the mask, the output, the log-sum-exp(s) and references to the entries."""
 
     @staticmethod
-    def forward(ctx, q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale, attention_mask, causal):  # noqa: D102
-        out, state = _flash_cpu_forward(q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale)
-        ctx.save_for_backward(q, k, v, depth_k, depth_v, out, *state)
-        ctx.mask, ctx.is_causal, ctx.scale = mask, is_causal, scale
-        ctx.attention_mask, ctx.causal = attention_mask, causal
+    def forward(ctx, q, k, v, attention_mask, scale, causal, backend, num_keys, *entries):  # noqa: D102
+        keys, values = entries[:num_keys], entries[num_keys:]
+        out, lse, lse_seq = _kernel_forward(q, k, v, keys, values, attention_mask, scale, causal, backend)
+        ctx.save_for_backward(q, k, v, attention_mask, out, lse, lse_seq, *entries)
+        ctx.scale, ctx.causal, ctx.backend, ctx.num_keys = scale, causal, backend, num_keys
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
-        q, k, v, depth_k, depth_v, out, *state = ctx.saved_tensors
-        needs = tuple(ctx.needs_input_grad[:5])
-        if torch.is_grad_enabled():  # create_graph=True
-            grads = _second_order_grads((q, k, v, depth_k, depth_v), needs, grad_out, ctx.attention_mask,
-                                        ctx.scale, ctx.causal)
+        q, k, v, attention_mask, out, lse, lse_seq, *entries = ctx.saved_tensors
+        keys, values = entries[:ctx.num_keys], entries[ctx.num_keys:]
+        if ctx.backend == "triton" and not torch.is_grad_enabled() and not ctx.needs_input_grad[3]:
+            stacked = [_stack(x, q, k.shape[1]) for x in (keys, values)]
+            grad_q, grad_k, grad_v, _, grad_depth_k, grad_depth_v = triton_moda_backward(
+                grad_out, q, k, v, *stacked, attention_mask, out, lse, ctx.scale, ctx.causal)
+            grad_keys = [g.transpose(1, 2) for g in grad_depth_k.unbind(3)]
+            grad_values = [g.transpose(1, 2) for g in grad_depth_v.unbind(3)]
+            grad_mask = None
         else:
-            grads = _flash_cpu_backward(grad_out, q, k, v, depth_k, depth_v, out, state, ctx.mask,
-                                        ctx.is_causal, ctx.scale, needs)
-        return (*grads, None, None, None, None, None, None)
+            grad_q, grad_k, grad_v, grad_mask, grad_keys, grad_values = torch_moda_backward(
+                grad_out, q, k, v, keys, values, attention_mask, out, lse, lse_seq, ctx.scale, ctx.causal)
+        return grad_q, grad_k, grad_v, grad_mask, None, None, None, None, *grad_keys, *grad_values
 
 
-def moda_torch_flash_cpu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-) -> torch.Tensor:
-    """MoDA on CPU through SDPA's fused flash kernel for the sequence pool (no [T, S] matrix kept).
-
-    Exact: the sequence pool's output and log-sum-exp are merged with the depth pool in one softmax
-    (see ``_MoDAFlashCPU``). Differentiable in q, k, v, depth_k, depth_v (not in the mask), twice
-    through a materialised recompute. Any strides (q, k, v whose last dim is not unit-stride are
-    copied for the kernel).
-
-    Args:
-        q: [B, Hq, T, d] on CPU, T >= 1; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
-        attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S].
-    Returns:
-        [B, Hq, T, d] in q's dtype.
-    """
-    mask, is_causal, empty_rows = _sequence_mask(attention_mask, causal, q.shape[2], k.shape[2], q.dtype)
-    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
-    return _MoDAFlashCPU.apply(q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale, attention_mask, causal)
+def moda_attention_weights(q, k, keys, attention_mask, scale, causal):
+    """The joint softmax weights [B, Hq, T, S + M] (sequence columns first; fp32, fp64 for fp64 inputs; zeros for a
+    row with no visible entry) with autograd, for q [B, Hq, T, d], k [B, Hkv, S, d], M keys [B, Hkv, T, d]."""
+    batch, num_q_heads, q_len, _ = q.shape
+    seq = _masked_logits(q, k, attention_mask, scale, causal).flatten(1, 2)  # (B, Hq, T, S)
+    depth = _depth_dots(_rows(q, k.shape[1]).to(seq.dtype), [_entry_rows(e, seq.dtype) for e in keys]) * scale
+    logits = torch.cat([seq, _from_rows(depth, batch, q_len)], dim=-1)
+    return torch.exp(logits - _finite_or_inf(torch.logsumexp(logits, dim=-1)).unsqueeze(-1))
 
 
-def _dispatch_mode_active() -> bool:
-    """True under a Python dispatch mode (``FlopCounterMode``, fake tensors, ...)."""
+def _weights_times_values(weights, v, values):
+    """[B, Hq, T, d] = weights [B, Hq, T, S + M] (sequence columns first) times [V_seq ; the token's M values]."""
+    kv_len, num_kv_heads, work = v.shape[2], v.shape[1], weights.dtype
+    out = torch.matmul(weights[..., :kv_len].unflatten(1, (num_kv_heads, -1)), v.to(work).unsqueeze(2)).flatten(1, 2)
+    if not values:
+        return out
+    depth_values = torch.cat([_entry_rows(e, work) for e in values], dim=-1).transpose(1, 2)  # (N, M, d)
+    depth = torch.bmm(_rows(weights[..., kv_len:], num_kv_heads), depth_values)  # (N, G, d)
+    return out + _from_rows(depth, weights.shape[0], weights.shape[2])
+
+
+def _check_inputs(q, k, v, keys, values, attention_mask, scale) -> None:
+    """Raise a ValueError naming the argument and what it must be (no host synchronisation)."""
+    if q.dim() != 4 or q.shape[-1] < 1:
+        raise ValueError(f"q must have shape [B, Hq, T, d] with a head dim d >= 1; got {tuple(q.shape)}")
+    (batch, num_q_heads, q_len, head_dim), shape = q.shape, lambda x: tuple(x.shape)
+    if k.dim() != 4 or k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k must have shape [B={batch}, Hkv, S, d={head_dim}]; got {shape(k)}")
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0 or kv_len < q_len:
+        raise ValueError(f"k must have Hkv heads, Hq={num_q_heads} a multiple of Hkv, and S >= T={q_len} positions "
+                         f"(queries are the last T of S); got {shape(k)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k, {shape(k)}; got {shape(v)}")
+    entry = (batch, num_kv_heads, q_len, head_dim)
+    for name, tensors in (("q", (q,)), ("k", (k,)), ("v", (v,)), ("depth_k", keys), ("depth_v", values)):
+        for x in tensors:  # one pass of attribute reads per tensor: this runs for every layer of every decoding step
+            if x.dtype not in DTYPES or x.device != q.device:
+                raise ValueError(f"{name} must have a floating dtype in {DTYPES} on q's device {q.device}; "
+                                 f"got {x.dtype} on {x.device}")
+            if name.startswith("depth") and x.shape != entry:
+                raise ValueError(f"{name} must have entries of shape [B, Hkv, T, d] = {entry} (as a tensor "
+                                 f"[B, Hkv, T, M, d] or a sequence of M entries); got an entry of {shape(x)}")
+    if len(keys) != len(values):
+        raise ValueError(f"depth_v must have as many entries as depth_k ({len(keys)}); got {len(values)}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite real number (0 and negative scales are computed); got {scale!r}")
+    if attention_mask is None:
+        return
+    target = (batch, num_q_heads, q_len, kv_len)
     try:
-        return torch._C._len_torch_dispatch_stack() > 0
-    except AttributeError:  # pragma: no cover - older torch
-        return False
+        fits = attention_mask.dim() <= 4 and torch.broadcast_shapes(attention_mask.shape, target) == target
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"attention_mask must be broadcastable to [B, Hq, T, S] = {target}; "
+                         f"got {shape(attention_mask)}")
+    if attention_mask.dtype != torch.bool and attention_mask.dtype not in DTYPES or attention_mask.device != q.device:
+        raise ValueError(f"attention_mask must be bool (True = attend) or additive float {DTYPES} on q's device "
+                         f"{q.device}; got {attention_mask.dtype} on {attention_mask.device}")
 
 
-def _mask_needs_grad(attention_mask: torch.Tensor | None) -> bool:
-    return attention_mask is not None and attention_mask.requires_grad and torch.is_grad_enabled()
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    on = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return torch.get_autocast_dtype(device_type) if on else None  # the autocast dtype where autocast is on
 
 
-def _flash_cpu_applies(q: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
-    """The fused CPU path serves CPU tensors of the kernel's dtypes, with a mask that needs no gradient.
-
-    Under a Python dispatch mode the materialised path runs instead: tools such as ``FlopCounterMode``
-    have no formula for the CPU flash op and would miss the attention FLOPs.
-    """
-    return (
-        _FLASH_CPU is not None
-        and _FLASH_CPU_BACKWARD is not None
-        and q.device.type == "cpu"
-        and q.dtype in _FLASH_CPU_DTYPES
-        and q.shape[2] > 0
-        and not _mask_needs_grad(attention_mask)
-        and not _dispatch_mode_active()
-    )
-
-
-def _triton_applies(q: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
-    """The Triton kernels serve their dtypes (not float64) with a mask that needs no gradient."""
-    return q.dtype in TRITON_MODA_DTYPES and not _mask_needs_grad(attention_mask)
-
-
-def moda_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-) -> torch.Tensor:
-    """The PyTorch backend: :func:`moda_torch_flash_cpu` on CPU, else :func:`moda_torch_math`.
-
-    Args:
-        q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
-    Returns:
-        [B, Hq, T, d] in q's dtype.
-    """
-    if _flash_cpu_applies(q, attention_mask):
-        return moda_torch_flash_cpu(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
-    return moda_torch_math(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
-
-
-def moda_attention_with_backend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    backend: str,
-) -> torch.Tensor:
-    """The unvalidated core of :func:`moda_attention` for callers that validated and resolved once.
-
-    Args:
-        q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d] (any strides).
-        attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S].
-        scale: the logit scale (a float, no default here); causal: as in :func:`moda_attention`.
-        backend: a resolved backend, ``"reference"``, ``"torch"`` or ``"triton"`` (from :func:`resolve_backend`).
-            Calls the Triton kernels cannot compute (float64, a mask that needs a gradient) run the
-            PyTorch path instead.
-    Returns:
-        [B, Hq, T, d] in q's dtype.
-    """
-    if backend == "reference":
-        return moda_reference(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
-    if backend == "triton" and _triton_applies(q, attention_mask):
-        return triton_moda_attention(q, k, v, depth_k, depth_v, attention_mask, scale, causal,
-                                     second_order=moda_torch_math)
-    return moda_torch(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
-
-
-@dataclass
-class MoDASaved:
-    """What :func:`moda_backward_from` needs from :func:`moda_forward_saving` (opaque to callers).
-
-    ``path`` is ``"flash_cpu"`` or ``"triton"``; ``inputs`` are q, k, v, depth_k, depth_v as the
-    kernel read them (views are kept, not copied: do not write into them before the backward);
-    ``out`` [B, Hq, T, d]; ``state`` the path's saved statistics.
-    """
-
-    path: str
-    inputs: tuple[torch.Tensor, ...]
-    out: torch.Tensor
-    state: tuple
-    mask: torch.Tensor | None
-    is_causal: bool
-    scale: float
-    causal: bool
-
-
-def moda_saving_supported(q: torch.Tensor, attention_mask: torch.Tensor | None, backend: str) -> bool:
-    """True when :func:`moda_forward_saving` can serve this call (else use :func:`moda_attention_with_backend`).
-
-    Supported: ``backend="torch"`` on CPU (the fused flash path: fp32, fp64, bf16, fp16) and
-    ``backend="triton"`` (fp32, bf16, fp16 on the kernels' device), with T >= 1 and a mask that needs
-    no gradient; not ``"reference"``, not the PyTorch path on other devices, not under a Python
-    dispatch mode (FLOP counters, fake tensors).
-    """
-    if q.shape[2] == 0 or _mask_needs_grad(attention_mask):
-        return False
-    if backend == "torch":
-        return _flash_cpu_applies(q, attention_mask)
-    if backend == "triton":
-        return moda_triton_runs_on(q.device) and _triton_applies(q, attention_mask) and not _dispatch_mode_active()
-    return False
-
-
-def moda_forward_saving(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    backend: str,
-) -> tuple[torch.Tensor, MoDASaved]:
-    """MoDA forward without an autograd graph, keeping what :func:`moda_backward_from` needs.
-
-    For callers that own the backward of a whole pass (the model's depth stream). Inputs are not
-    validated (as for :func:`moda_attention_with_backend`); ``depth_k`` / ``depth_v`` may be any
-    strided views [B, Hkv, T, M, d], e.g. ``buffer[lo:hi].permute(1, 3, 2, 0, 4)`` of a slot-major buffer
-    [M_max, B, T, Hkv, d] (the model's depth stream), M may be 0.
-
-    Args:
-        q: [B, Hq, T, d]; k, v: [B, Hkv, S, d]; depth_k, depth_v: [B, Hkv, T, M, d].
-        attention_mask: None, bool (True = attend) or additive float (no gradient), broadcastable to [B, Hq, T, S].
-        scale: the logit scale; causal: as in :func:`moda_attention`.
-        backend: ``"torch"`` (CPU flash path) or ``"triton"``; see :func:`moda_saving_supported`.
-    Returns:
-        ``(out, saved)``: out [B, Hq, T, d] in q's dtype (no grad_fn), saved a :class:`MoDASaved`.
-    Raises:
-        ValueError: when the call is not supported (backend, device, dtype, T = 0, a mask that needs a
-            gradient, a dispatch mode); the message names the problem. Use :func:`moda_attention_with_backend`.
-    """
-    if not moda_saving_supported(q, attention_mask, backend):
-        raise ValueError(
-            "moda_forward_saving supports backend='torch' on CPU (fp32/fp64/bf16/fp16) and backend='triton' "
-            f"(fp32/bf16/fp16), T >= 1, a mask without gradient, no dispatch mode; got backend={backend!r}, "
-            f"device={q.device.type}, dtype={q.dtype}, T={q.shape[2]}, "
-            f"mask requires grad={_mask_needs_grad(attention_mask)}; use moda_attention_with_backend instead"
-        )
-    scale, causal = float(scale), bool(causal)
-    with torch.no_grad():
-        if backend == "triton":
-            out, state = triton_moda_forward(q, k, v, depth_k, depth_v, attention_mask, scale, causal)
-            return out, MoDASaved("triton", (q, k, v, depth_k, depth_v), out, state, None, causal, scale, causal)
-        mask, is_causal, empty_rows = _sequence_mask(attention_mask, causal, q.shape[2], k.shape[2], q.dtype)
-        q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
-        out, state = _flash_cpu_forward(q, k, v, depth_k, depth_v, mask, is_causal, empty_rows, scale)
-    return out, MoDASaved("flash_cpu", (q, k, v, depth_k, depth_v), out, state, mask, is_causal, scale, causal)
-
-
-def moda_backward_from(
-    saved: MoDASaved,
-    grad_out: torch.Tensor,
-    needs: tuple[bool, bool, bool, bool, bool] = (True,) * 5,
-    depth_grads_into: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor | None, ...]:
-    """The backward of :func:`moda_forward_saving`: ``(dq, dk, dv, d_depth_k, d_depth_v)``.
-
-    Args:
-        saved: from :func:`moda_forward_saving`.
-        grad_out: [B, Hq, T, d], the gradient of the output (any strides).
-        needs: which of the five gradients to return (None for the others; skipping dk and dv skips
-            their work).
-        depth_grads_into: None, or ``(gk, gv)``: floating tensors of depth_k's shape [B, Hkv, T, M, d] on
-            its device, any strides (e.g. ``grad_buffer[:, :, :, lo:hi]``), any floating dtype (an fp32
-            buffer for bf16 entries is fine). The depth gradients are then ADDED into them in place
-            (Triton: inside the kernel) and returned as those tensors, whatever ``needs[3:]`` says.
-    Returns:
-        Gradients with their inputs' shapes (the depth gradients have the view's shape
-        [B, Hkv, T, M, d]), in the inputs' dtypes. Computed without an autograd graph (first order only).
-    Raises:
-        ValueError: when ``depth_grads_into`` does not have depth_k's shape and device.
-    """
-    needs = tuple(bool(n) for n in needs)
-    if depth_grads_into is not None:
-        depth_k = saved.inputs[3]
-        for name, into in zip(("gk", "gv"), depth_grads_into):
-            fits = tuple(into.shape) == tuple(depth_k.shape) and into.device == depth_k.device
-            if not (fits and into.is_floating_point()):
-                raise ValueError(
-                    f"depth_grads_into {name} must be a floating tensor of depth_k's shape {tuple(depth_k.shape)} "
-                    f"on {depth_k.device}; got {into.dtype} {tuple(into.shape)} on {into.device}"
-                )
-        needs = needs[:3] + (True, True)
-    with torch.no_grad():
-        if saved.path == "triton":
-            grads = triton_moda_backward(grad_out, *saved.inputs, saved.out, saved.state, saved.scale, saved.causal,
-                                         sequence_kv=needs[1] or needs[2], depth_grads_into=depth_grads_into)
-            return tuple(g if need else None for g, need in zip(grads, needs))
-        grads = _flash_cpu_backward(grad_out, *saved.inputs, saved.out, saved.state, saved.mask, saved.is_causal,
-                                    saved.scale, needs)
-        if depth_grads_into is None:
-            return grads
-        depth_grads_into[0].add_(grads[3])
-        depth_grads_into[1].add_(grads[4])
-        return (*grads[:3], *depth_grads_into)
-
-
-def moda_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    causal: bool = True,
-    backend: str | None = None,
-) -> torch.Tensor:
+def moda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth_k: torch.Tensor | Sequence[torch.Tensor],
+                   depth_v: torch.Tensor | Sequence[torch.Tensor], *, attention_mask: torch.Tensor | None = None,
+                   scale: float | None = None, causal: bool = True, backend: str | None = None,
+                   return_weights: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mixture-of-depths attention: one softmax over the causal sequence keys and the token's own depth keys.
 
+    =============  ===========================================================================================
+    backend        implementation
+    =============  ===========================================================================================
+    reference      :func:`moda_reference`: one (batch, head, token) at a time; plain autograd. The oracle.
+    torch          :func:`torch_moda_forward` (in :class:`_MoDAFunction` when a gradient is needed), the entries
+                   read in place (never stacked or copied); saved are q, k, v, the mask, the output, the row
+                   log-sum-exp and references to the entries. Forward: the sequence pool through SDPA's fused CPU
+                   kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, a private op: no public API
+                   returns the row log-sum-exp the merge needs) on CPU with no mask but causality and a positive
+                   scale, else materialised; the depth pool as one product per entry, merged exactly. Backward:
+                   the probabilities recomputed from the log-sum-exp (flash style) in differentiable torch ops,
+                   so ``create_graph=True`` works (the fused kernel's backward on its path, first order). A
+                   one-token step without mask or gradient: one SDPA over [sequence | its entries].
+    triton         the same, around the kernels of ``moda_triton.py`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
+                   the window stacked transiently in each pass; a backward with ``create_graph=True`` runs the
+                   torch backward on the kernel's output and log-sum-exp.
+    =============  ===========================================================================================
+
+    Decided here, once per call: validation (no host synchronisation); ONE compute dtype for every backend: under
+    autocast for q's device type the autocast dtype (as SDPA; float64, which autocast leaves alone, stays), else
+    the promoted dtype of q, k, v and the entries, every input cast to it; the backend (argument >
+    ``$DEPTHFUSION_BACKEND`` > automatic: Triton for CUDA tensors when it imports; a model passes its
+    ``config.op_backend`` through :func:`resolve_backend`); from ``triton`` to ``torch``: float64 and a float mask
+    that needs a gradient (fp32 stays: TF32 dots where ``torch.get_float32_matmul_precision()`` allows, else IEEE
+    with small tiles); no queries (B = 0 or T = 0): zeros; ``return_weights``: the output is the weights times the
+    values (as Llama's eager attention), so the weights are in its graph. A key hidden by causality or the mask
+    (False, ``-inf``) contributes exactly nothing to the output on every backend, NaN or inf included.
+
     Args:
-        q: [B, Hq, T, d] queries; they sit at the last T of the S sequence positions (prefill: S = T;
-            cached decoding: S = past + T).
+        q: [B, Hq, T, d] queries, at the last T of the S sequence positions (prefill S = T; decoding S = past + T).
         k, v: [B, Hkv, S, d] sequence keys/values; query head ``h`` uses KV head ``h // (Hq / Hkv)``.
-        depth_k, depth_v: [B, Hkv, T, M, d] the M depth entries of each query token (M may be 0), read
-            with the same GQA mapping.
-        attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S].
-            It applies to the sequence pool only; depth entries are always visible to their token.
-            A float mask that requires grad gets its gradient (on every backend).
-        scale: logit scale for both pools; default ``1 / sqrt(d)``.
+        depth_k, depth_v: each token's M depth entries (M may be 0), same GQA mapping: a tensor [B, Hkv, T, M, d]
+            or a sequence of M tensors [B, Hkv, T, d] (what a model passes: the entries as its layers wrote them).
+        attention_mask: None, bool (True = attend) or additive float, broadcastable to [B, Hq, T, S]; sequence
+            pool only (depth entries are always visible to their token). A float mask that requires grad gets it.
+        scale: logit scale of both pools, any finite number (default ``1 / sqrt(d)``).
         causal: hide sequence keys after the query's position ``S - T + t``.
-        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (then
-            ``$DEPTHFUSION_BACKEND``, default ``"auto"``).
-    Returns:
-        [B, Hq, T, d] in q's dtype, differentiable twice. A row with no visible entry at all (every
-        sequence key masked with False/-inf and M = 0) returns zeros rather than NaN.
-    Raises:
-        ValueError: when a shape, dtype or device does not fit (the message names the argument and the
-            expected shape), or the backend is unknown.
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        return_weights: also return the joint softmax weights [B, Hq, T, S + M] (fp32, sequence columns first),
+            with autograd.
+    Returns [B, Hq, T, d] in the compute dtype, differentiable twice (or ``(out, weights)``); a row with no
+    visible entry is zeros. Raises ValueError for a shape, dtype, device or scale that does not fit (naming the
+    argument and what it must be), and for an unknown backend or one that cannot run here.
     """
-    check_moda_inputs(q, k, v, depth_k, depth_v, attention_mask)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    # the depth as M entries [B, Hkv, T, d] (a [B, Hkv, T, M, d] tensor as views; a wrong rank fails the entry check)
+    keys, values = (x.unbind(3) if torch.is_tensor(x) and x.dim() == 5 else tuple(x) for x in (depth_k, depth_v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None and q.dim() == 4 and q.shape[-1] > 0 else scale
+    _check_inputs(q, k, v, keys, values, attention_mask, scale)
+    # One compute dtype: the autocast dtype (float64 excepted: autocast leaves it alone), else the promoted one.
+    dtype, autocast = functools.reduce(torch.promote_types, {x.dtype for x in (q, k, v, *keys, *values)}), None
+    if dtype != torch.float64 and (autocast := _autocast_dtype(q.device.type)) is not None:
+        dtype = autocast
+    q, k, v, *entries = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v, *keys, *values))
+    keys, values = tuple(entries[:len(keys)]), tuple(entries[len(keys):])
+    scale, causal = float(scale), bool(causal)
     backend = resolve_backend(backend, q.device)
-    return moda_attention_with_backend(q, k, v, depth_k, depth_v, attention_mask, scale, causal, backend)
+    grad = torch.is_grad_enabled()
+    needs_grad = grad and any(x.requires_grad for x in (q, k, v, *keys, *values, attention_mask) if x is not None)
+    if backend == "triton" and (dtype == torch.float64  # the kernels accumulate in fp32; no mask gradient
+                                or grad and attention_mask is not None and attention_mask.requires_grad):
+        backend = "torch"
+    with torch.autocast(q.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
+        weights = None
+        if q.shape[0] * q.shape[2] == 0:  # no queries: zeros, connected to every input (zero gradients)
+            out = q.new_zeros(q.shape) + sum(x[:0].sum() for x in (q, k, v, *keys, *values))
+        elif return_weights:  # the output from the weights (as Llama's eager attention): they are in its graph
+            weights = moda_attention_weights(q, k, keys, attention_mask, scale, causal)
+            out = _weights_times_values(weights, v, values).to(dtype)
+        elif backend == "torch" and q.shape[2] == 1 and attention_mask is None and not needs_grad:
+            # A decoding step: the one query token's joint softmax is one SDPA over [sequence | its depth entries].
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, torch.cat([k, *keys], dim=2), torch.cat([v, *values], dim=2), scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1])
+        elif backend == "reference":
+            stacked = [torch.stack(x, dim=3) if x else q.new_zeros(*k.shape[:2], q.shape[2], 0, q.shape[3])
+                       for x in (keys, values)]
+            out = moda_reference(q, k, v, *stacked, attention_mask, scale, causal)
+        elif not needs_grad:  # the forward alone (torch.compile 2.13 mis-binds two entries of a Function in no_grad)
+            out = _kernel_forward(q, k, v, keys, values, attention_mask, scale, causal, backend)[0]
+        else:
+            out = _MoDAFunction.apply(q, k, v, attention_mask, scale, causal, backend, len(keys), *keys, *values)
+        for depth in (depth_k, depth_v):
+            if isinstance(depth, torch.Tensor) and not keys:  # an empty [B, Hkv, T, 0, d]: keep it in the graph
+                out = out + depth.sum().to(out.dtype)  # (an exact 0)
+        if not return_weights:
+            return out
+    return out, weights if weights is not None else moda_attention_weights(q, k, keys, attention_mask, scale, causal)
 
 
-__all__ = [
-    "MoDASaved",
-    "moda_attention",
-    "moda_attention_with_backend",
-    "moda_backward_from",
-    "moda_forward_saving",
-    "moda_joint_probs",
-    "moda_reference",
-    "moda_saving_supported",
-    "moda_torch",
-    "moda_torch_flash_cpu",
-    "moda_torch_math",
-    "resolve_backend",
-]
+__all__ = ["moda_attention", "moda_attention_weights", "moda_reference", "resolve_backend"]

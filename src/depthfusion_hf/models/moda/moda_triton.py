@@ -1,62 +1,40 @@
-"""Fused Triton forward and backward for MoDA attention (FlashAttention-2 style).
+"""Fused Triton forward and backward for MoDA attention (FlashAttention-2 style), and their launch code.
 
-``triton_moda_attention(q, k, v, depth_k, depth_v, attention_mask, scale, causal)`` computes, for
-every query token, ONE softmax over (a) the causal sequence keys and (b) the token's own ``M``
-depth keys, exactly like ``moda_attention(..., backend="reference")``:
+For every query token ONE softmax over the causal sequence keys and the token's own ``M`` depth keys, exactly as
+``moda_attention(..., backend="reference")``; the launchers take the layout of ``moda_attention``'s Function:
+``q`` [B, Hq, T, d] (query ``i`` at position ``S - T + i``), ``k``, ``v`` [B, Hkv, S, d], token-major depth entries
+``depth_k``, ``depth_v`` [B, T, Hkv, M, d], any strides; a bool or additive mask broadcastable to [B, Hq, T, S]
+(sequence pool only, read through its broadcast strides). Outputs: ``out`` [B, Hq, T, d] and the row log-sum-exp
+``lse`` [B, Hq, T] (fp32, natural log, ``+inf`` for a row with no visible key).
 
-- ``q``        [B, Hq, T, d]       queries; query ``i`` sits at sequence position ``S - T + i``
-- ``k``, ``v`` [B, Hkv, S, d]      sequence keys / values (S >= T: prefill or cached decoding)
-- ``depth_k``, ``depth_v`` [B, Hkv, T, M, d]   depth entries, token-major (token ``i``'s own M)
-- ``attention_mask``  bool (True = attend) or additive float, broadcastable to [B, Hq, T, S];
-  applies to the sequence pool only. ``None`` for no mask.
-- returns      [B, Hq, T, d] in ``q``'s dtype; a row with no visible key returns zeros.
+- One program per (query block of ``BLOCK_T`` tokens, batch x KV head), on ONE grid axis (axis 0 takes 2**31 - 1
+  programs; axes 1 and 2 stop at 65535, which B x Hkv alone can pass); its rows are the block's tokens times all
+  ``G = Hq / Hkv`` query heads of the KV head (the paper's group-aware indexing, Sec. 3.2-3.3).
+- Sequence phase: fully visible KV blocks without a causal mask, the diagonal blocks with it, nothing past it.
+  Depth phase: only the block's own ``BLOCK_T * M`` depth slice, either as tensor-core dots with a
+  block-diagonal mask (the paper's; large G) or as a loop over the M entries, each row dotting its own token's.
+- A hidden key (causal, False, ``-inf``) gets a ``-inf`` logit by replacement, never by addition: a NaN key behind
+  the mask contributes nothing. Index x stride products are int64 (they may pass 2**31 elements); the depth loop
+  steps its pointers. Launched under the tensors' device (``torch.cuda.device``), on its current stream.
+- fp32 accumulation; q, k, v and the entries in one dtype of fp16 / bf16 / fp32 (``moda_attention`` casts at its
+  boundary). fp32 dots are TF32 where ``torch.get_float32_matmul_precision()`` allows it (``"high"``,
+  ``"medium"``), else IEEE fp32 on the CUDA cores with 16-row tiles (slower, but no large spills: ``_block_sizes``).
+  Interpreted, bf16 dot operands are upcast.
+- Backward (FA2, recomputed from ``lse``): ``delta = rowsum(dO * O)`` in PyTorch; kernel 1 (query blocks) gives dQ
+  and the depth dK / dV, complete in one program (every row that sees an entry is in it: no atomics); kernel 2
+  (KV blocks, looping over the query blocks that see them) gives the sequence dK / dV.
 
-Kernel design (the paper's "hardware-efficient MoDA", Sec. 3.2-3.3):
-
-- One program per (query block of ``BLOCK_T`` tokens, batch x KV head). The program's rows are
-  the ``BLOCK_T`` tokens times *all* ``G = Hq / Hkv`` query heads of that KV head
-  (row ``r`` -> token ``r // G_PAD``, head ``r % G_PAD``; the paper's group-aware indexing), so
-  every sequence and depth KV block is loaded once per group, not once per query head.
-- Sequence phase: KV blocks fully visible to every row run without a causal mask; the blocks on
-  the causal diagonal apply it; blocks past the causal limit are never visited.
-- Depth phase: the program reads only its own ``BLOCK_T * M`` depth slice (chunk-aware layout;
-  ``depth_k[b, h]`` is already token-major), and a row scores only the ``M`` entries of its own
-  token. Both phases share the online-softmax state ``(m, l, acc)``. Two forms: tensor-core dots
-  over the chunk with a block-diagonal mask (the paper's; G / (BLOCK_T * G_PAD) of the products
-  are useful, good when G is large), or, for small G, a loop over the M entries where each row
-  dots its own token's entry on the CUDA cores (no wasted products).
-- No [T, S] matrix in memory; fp32 accumulation; fp16 / bf16 / fp32 inputs (fp32 dots use IEEE
-  precision, not TF32; under the interpreter bf16 dot operands are upcast, see ``_dot``).
-  ``d`` need not be a power of two (padded to ``BLOCK_D`` with masks).
-- The mask is read tile by tile through its broadcast strides: a [B, 1, 1, S] padding mask is
-  never expanded. A bool mask is converted once to an additive fp32 mask of its own shape.
-- Backward (FA2 recompute from the per-row log-sum-exp): ``delta = rowsum(dO * O)`` in PyTorch;
-  kernel 1 (grid over query blocks) gives dQ and the depth dK / dV, which are complete inside a
-  program because every row that can see a depth entry belongs to it (no atomics); kernel 2
-  (grid over sequence KV blocks, looping over the query blocks that can see the block, all G heads
-  at once) gives the sequence dK / dV. Gradients are written once, in the inputs' dtypes.
-
-Not covered by the kernels (``moda_attention`` routes these calls to the PyTorch path; this module
-never imports it): float64; a float mask that needs a gradient. Second-order gradients are computed
-by recomputing through a caller-supplied twice-differentiable op (``second_order``), else refused.
-Depth entries are read, and their gradients written, through strides: ``depth_k`` may be a strided
-view of a larger buffer (the model's depth stream passes a window of its slot-major buffer).
-:func:`triton_moda_forward` / :func:`triton_moda_backward` expose the
-two halves without autograd for callers that own the backward (the model's depth stream).
-
-Known limit: a decoding step (T = 1) launches only B * Hkv programs, each scanning all S keys
-(no split-S "flash-decoding"), so long-cache decoding underfills a large GPU.
-The tile sizes and the DEPTH_DOT switch are set by rule, not tuned on a GPU.
-
-Triton is optional: without it this module still imports (the kernels are defined against a
-tiny stand-in and never launched) and :func:`moda_triton_available` returns ``False``. Under
-``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU tensors.
-
-This file must stay self-contained (torch, optional triton): it is copied as remote code.
+Known limit: a decoding step (T = 1) launches only B * Hkv programs, each scanning all S keys (no split-S
+"flash-decoding"). Tiles, warps and the depth form are set by rule (``_block_sizes``), checked ahead of time for
+register spills, not tuned on a GPU. Triton is optional: without it this module imports (the kernels are
+defined against a stand-in, never launched) and :func:`moda_triton_available` is False; under
+``TRITON_INTERPRET=1`` (set before the import) the kernels run on CPU tensors. Self-contained (torch, optional
+triton; it never imports ``moda_attention``): it is copied as remote code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -83,14 +61,7 @@ except Exception:  # pragma: no cover - depends on the environment
     triton = _TritonStandIn()  # type: ignore[assignment]
     tl = _TritonLanguageStandIn()  # type: ignore[assignment]
 
-__all__ = [
-    "TRITON_MODA_DTYPES",
-    "moda_triton_available",
-    "moda_triton_runs_on",
-    "triton_moda_attention",
-    "triton_moda_backward",
-    "triton_moda_forward",
-]
+__all__ = ["moda_triton_available", "moda_triton_runs_on", "triton_moda_backward", "triton_moda_forward"]
 
 _LOG2E = 1.4426950408889634
 TRITON_MODA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the kernels compute
@@ -110,43 +81,62 @@ def moda_triton_runs_on(device: torch.device) -> bool:
     return moda_triton_available() and (device.type == "cuda" or (_interpreting() and device.type == "cpu"))
 
 
-# ----------------------------------------------------------------------------------------------
-# Forward
-# ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``tl.dot`` with fp32 accumulation. ``UPCAST`` (interpreter + bf16 only): the Triton 3.x
-    interpreter stores bf16 as uint16 and its ``dot`` then multiplies the raw integers, so the
-    operands go to fp32 first. Products of bf16 values are exact in fp32, as on tensor cores."""
+def _dot(a, b, UPCAST: tl.constexpr):
+    """``tl.dot`` with fp32 accumulation (TF32 for fp32 operands). ``UPCAST``: IEEE fp32 dots, for fp32 inputs where
+    TF32 is not allowed and for bf16 in the interpreter (Triton 3.x stores bf16 as uint16 there and its ``dot``
+    multiplies the raw integers; products of bf16 values are exact in fp32, as on tensor cores)."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=INPUT_PRECISION)
+        return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
+def _hide(b_s, p_mask, m_tile, HAS_MASK: tl.constexpr):
+    """Add the additive mask tile (log2 domain) to the logits; a ``-inf`` mask entry REPLACES the logit."""
+    if HAS_MASK:
+        b_mask = tl.load(p_mask, mask=m_tile, other=0.0)
+        b_s = tl.where(b_mask == float("-inf"), float("-inf"), b_s + b_mask * 1.4426950408889634)
+    return b_s
+
+
+@triton.jit
+def _seq_bounds(i_t, T, S, CAUSAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The query block's tokens [t_first, t_last] and its sequence keys: those < s_full are visible to every row
+    (no causal mask needed), [s_full, s_hi) need the causal / bounds mask, keys >= s_hi are visible to none."""
+    t_first = i_t * BLOCK_T
+    t_last = tl.minimum(t_first + BLOCK_T, T) - 1
+    if CAUSAL:
+        return t_first, t_last, (S - T + t_first + 1) // BLOCK_S * BLOCK_S, S - T + t_last + 1
+    return t_first, t_last, S // BLOCK_S * BLOCK_S, S
+
+
+@triton.jit
+def _program_ids(n_blocks):
+    """(block index, batch x KV head index) of this program on the folded 1-d grid; the last (largest causal)
+    blocks first."""
+    pid = tl.program_id(0)
+    return n_blocks - 1 - pid % n_blocks, pid // n_blocks
 
 
 @triton.jit
 def _moda_fwd_seq_inner(
-    b_acc, b_l, b_m, b_q,
-    p_k, p_v, p_mask,
-    o_t, m_r, o_d, m_d,
-    s_lo, s_hi, T, S, qk_scale,
+    b_acc, b_l, b_m, b_q, p_k, p_v, p_mask, o_t, m_r, o_d, m_d, s_lo, s_hi, T, S, qk_scale,
     s_ks, s_kd, s_vs, s_vd, s_ms,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ON_BOUNDARY: tl.constexpr,
-    BLOCK_S: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ON_BOUNDARY: tl.constexpr, BLOCK_S: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Online-softmax update over sequence keys [s_lo, s_hi); logits are kept in the log2 domain."""
     for s_start in range(s_lo, s_hi, BLOCK_S):
-        o_s = s_start + tl.arange(0, BLOCK_S)
+        o_s = (s_start + tl.arange(0, BLOCK_S)).to(tl.int64)
         m_s = o_s < S
-        # [BLOCK_D, BLOCK_S] and [BLOCK_S, BLOCK_D]
         b_kt = tl.load(p_k + o_s[None, :] * s_ks + o_d[:, None] * s_kd, mask=m_d[:, None] & m_s[None, :], other=0.0)
         b_v = tl.load(p_v + o_s[:, None] * s_vs + o_d[None, :] * s_vd, mask=m_s[:, None] & m_d[None, :], other=0.0)
-        b_s = _dot(b_q, b_kt, INPUT_PRECISION, UPCAST) * qk_scale
-        if HAS_MASK:
-            b_mask = tl.load(p_mask + o_s[None, :] * s_ms, mask=m_r[:, None] & m_s[None, :], other=0.0)
-            b_s += b_mask * 1.4426950408889634  # additive mask, moved to the log2 domain
+        b_s = _dot(b_q, b_kt, UPCAST) * qk_scale
+        b_s = _hide(b_s, p_mask + o_s[None, :] * s_ms, m_r[:, None] & m_s[None, :], HAS_MASK)
         if ON_BOUNDARY:
             m_vis = m_s[None, :]
             if CAUSAL:
@@ -157,7 +147,7 @@ def _moda_fwd_seq_inner(
         b_p = tl.math.exp2(b_s - b_m_safe[:, None])
         b_alpha = tl.math.exp2(b_m - b_m_safe)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, INPUT_PRECISION, UPCAST)
+        b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, UPCAST)
         b_m = b_m_new
     return b_acc, b_l, b_m
 
@@ -174,25 +164,24 @@ def _moda_fwd_kernel(
     Hkv, T, S, M, D, G, qk_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DM: tl.constexpr,
-    BLOCK_D: tl.constexpr, DEPTH_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr, DEPTH_DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: BLOCK_T query tokens x all G query heads of one (batch, KV head).
 
-    Writes ``o`` [B, Hq, T, D] (contiguous) and ``lse`` [B, Hq, T] (contiguous, fp32, log2 domain;
-    +inf for a row with no visible key, so that the backward's probabilities vanish there).
+    Writes ``o`` [B, Hq, T, D] and ``lse`` [B, Hq, T] (both contiguous; lse fp32, log2 domain, +inf for a row
+    with no visible key).
     """
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    # int64 batch / head indices: every offset built from them is int64 (tensors may exceed 2**31 elements).
+    i_t, i_bh = _program_ids(tl.cdiv(T, BLOCK_T))
     i_b, i_hkv = (i_bh // Hkv).to(tl.int64), (i_bh % Hkv).to(tl.int64)
     Hq = Hkv * G
     BLOCK_R: tl.constexpr = BLOCK_T * G_PAD
 
     o_r = tl.arange(0, BLOCK_R)
-    o_t = i_t * BLOCK_T + o_r // G_PAD  # query token of each row
+    o_t = (i_t * BLOCK_T + o_r // G_PAD).to(tl.int64)  # query token of each row
     o_g = o_r % G_PAD
     o_h = i_hkv * G + o_g  # query head of each row
     m_r = (o_t < T) & (o_g < G)
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = tl.arange(0, BLOCK_D).to(tl.int64)
     m_d = o_d < D
 
     p_q = q + i_b * s_qb + o_h[:, None] * s_qh + o_t[:, None] * s_qt + o_d[None, :] * s_qd
@@ -204,25 +193,17 @@ def _moda_fwd_kernel(
 
     p_k = k + i_b * s_kb + i_hkv * s_kh
     p_v = v + i_b * s_vb + i_hkv * s_vh
-    p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None].to(tl.int64) * s_mt  # T * S may pass 2**31
+    p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None] * s_mt
 
-    # Sequence phase. Keys < s_full are visible to every row of the block (no causal mask needed);
-    # [s_full, s_hi) needs the causal / bounds mask; keys >= s_hi are visible to no row.
-    t_first = i_t * BLOCK_T
-    t_last = tl.minimum(t_first + BLOCK_T, T) - 1
-    if CAUSAL:
-        s_hi = S - T + t_last + 1
-        s_full = (S - T + t_first + 1) // BLOCK_S * BLOCK_S
-    else:
-        s_hi = S
-        s_full = S // BLOCK_S * BLOCK_S
+    # Sequence phase: the blocks visible to every row without a mask, then the diagonal ones with it.
+    t_first, t_last, s_full, s_hi = _seq_bounds(i_t, T, S, CAUSAL, BLOCK_T, BLOCK_S)
     b_acc, b_l, b_m = _moda_fwd_seq_inner(
         b_acc, b_l, b_m, b_q, p_k, p_v, p_mask, o_t, m_r, o_d, m_d, 0, s_full, T, S, qk_scale,
-        s_ks, s_kd, s_vs, s_vd, s_ms, CAUSAL, HAS_MASK, False, BLOCK_S, INPUT_PRECISION, UPCAST,
+        s_ks, s_kd, s_vs, s_vd, s_ms, CAUSAL, HAS_MASK, False, BLOCK_S, UPCAST,
     )
     b_acc, b_l, b_m = _moda_fwd_seq_inner(
         b_acc, b_l, b_m, b_q, p_k, p_v, p_mask, o_t, m_r, o_d, m_d, s_full, s_hi, T, S, qk_scale,
-        s_ks, s_kd, s_vs, s_vd, s_ms, CAUSAL, HAS_MASK, True, BLOCK_S, INPUT_PRECISION, UPCAST,
+        s_ks, s_kd, s_vs, s_vd, s_ms, CAUSAL, HAS_MASK, True, BLOCK_S, UPCAST,
     )
 
     # Depth phase: this block's chunk of the token-major depth axis, j in [t_first*M, (t_last+1)*M).
@@ -231,36 +212,37 @@ def _moda_fwd_kernel(
     j_lo = t_first * M
     j_hi = (t_last + 1) * M
     if DEPTH_DOT:
-        # Tensor-core form (the paper's): [rows x chunk] logits with a block-diagonal token mask;
-        # 1 / BLOCK_T of the products are kept, which pays off when BLOCK_T is small (G large).
+        # Tensor-core form (the paper's): [rows x chunk] logits with a block-diagonal token mask.
         for j_start in range(j_lo, j_hi, BLOCK_DM):
             o_j = j_start + tl.arange(0, BLOCK_DM)
             m_j = o_j < j_hi
-            o_jt = (o_j // M).to(tl.int64)  # token that owns depth column j (int64: T * M * d may pass 2**31)
-            o_jm = o_j % M
+            o_jt = (o_j // M).to(tl.int64)  # token that owns depth column j
+            o_jm = (o_j % M).to(tl.int64)
             b_dkt = tl.load(p_dk + o_jt[None, :] * s_dkt + o_jm[None, :] * s_dkm + o_d[:, None] * s_dkd,
                             mask=m_d[:, None] & m_j[None, :], other=0.0)
             b_dv = tl.load(p_dv + o_jt[:, None] * s_dvt + o_jm[:, None] * s_dvm + o_d[None, :] * s_dvd,
                            mask=m_j[:, None] & m_d[None, :], other=0.0)
-            b_s = _dot(b_q, b_dkt, INPUT_PRECISION, UPCAST) * qk_scale
+            b_s = _dot(b_q, b_dkt, UPCAST) * qk_scale
             b_s = tl.where((o_t[:, None] == o_jt[None, :]) & m_j[None, :], b_s, float("-inf"))
             b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
             b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
             b_p = tl.math.exp2(b_s - b_m_safe[:, None])
             b_alpha = tl.math.exp2(b_m - b_m_safe)
             b_l = b_l * b_alpha + tl.sum(b_p, 1)
-            b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_dv.dtype), b_dv, INPUT_PRECISION, UPCAST)
+            b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_dv.dtype), b_dv, UPCAST)
             b_m = b_m_new
     else:
         # Per-entry form for large BLOCK_T (small G): row r dots its own token's m-th entry on the
         # CUDA cores, no wasted products. Rows of one token read the same entry (cache hits).
         m_rd = m_r[:, None] & m_d[None, :]
-        p_dk_r = p_dk + o_t[:, None].to(tl.int64) * s_dkt + o_d[None, :] * s_dkd
-        p_dv_r = p_dv + o_t[:, None].to(tl.int64) * s_dvt + o_d[None, :] * s_dvd
+        p_dk_r = p_dk + o_t[:, None] * s_dkt + o_d[None, :] * s_dkd
+        p_dv_r = p_dv + o_t[:, None] * s_dvt + o_d[None, :] * s_dvd
         b_qf = b_q.to(tl.float32)
-        for i_m in range(0, M):
-            b_dkr = tl.load(p_dk_r + i_m * s_dkm, mask=m_rd, other=0.0).to(tl.float32)
-            b_dvr = tl.load(p_dv_r + i_m * s_dvm, mask=m_rd, other=0.0).to(tl.float32)
+        for _ in range(0, M):  # the pointers step one entry at a time: no index x stride product
+            b_dkr = tl.load(p_dk_r, mask=m_rd, other=0.0).to(tl.float32)
+            b_dvr = tl.load(p_dv_r, mask=m_rd, other=0.0).to(tl.float32)
+            p_dk_r += s_dkm
+            p_dv_r += s_dvm
             b_sm = tl.where(m_r, tl.sum(b_qf * b_dkr, 1) * qk_scale, float("-inf"))  # [BLOCK_R]
             b_m_new = tl.maximum(b_m, b_sm)
             b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
@@ -278,40 +260,32 @@ def _moda_fwd_kernel(
     tl.store(lse + o_row, b_lse, mask=m_r)
 
 
-# ----------------------------------------------------------------------------------------------
-# Backward
-# ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _moda_bwd_dq_seq_inner(
-    b_dq, b_q, b_do, b_lse, b_delta,
-    p_k, p_v, p_mask,
-    o_t, m_r, o_d, m_d,
-    s_lo, s_hi, T, S, qk_scale,
+    b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, p_mask, o_t, m_r, o_d, m_d, s_lo, s_hi, T, S, qk_scale,
     s_ks, s_kd, s_vs, s_vd, s_ms,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ON_BOUNDARY: tl.constexpr,
-    BLOCK_S: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ON_BOUNDARY: tl.constexpr, BLOCK_S: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Accumulate dS @ K over sequence keys [s_lo, s_hi) for this program's rows (unscaled)."""
     for s_start in range(s_lo, s_hi, BLOCK_S):
-        o_s = s_start + tl.arange(0, BLOCK_S)
+        o_s = (s_start + tl.arange(0, BLOCK_S)).to(tl.int64)
         m_s = o_s < S
         b_kt = tl.load(p_k + o_s[None, :] * s_ks + o_d[:, None] * s_kd, mask=m_d[:, None] & m_s[None, :], other=0.0)
         b_vt = tl.load(p_v + o_s[None, :] * s_vs + o_d[:, None] * s_vd, mask=m_d[:, None] & m_s[None, :], other=0.0)
-        b_s = _dot(b_q, b_kt, INPUT_PRECISION, UPCAST) * qk_scale
-        if HAS_MASK:
-            b_mask = tl.load(p_mask + o_s[None, :] * s_ms, mask=m_r[:, None] & m_s[None, :], other=0.0)
-            b_s += b_mask * 1.4426950408889634  # additive mask, moved to the log2 domain
+        b_s = _dot(b_q, b_kt, UPCAST) * qk_scale
+        b_s = _hide(b_s, p_mask + o_s[None, :] * s_ms, m_r[:, None] & m_s[None, :], HAS_MASK)
         if ON_BOUNDARY:
             m_vis = m_s[None, :]
             if CAUSAL:
                 m_vis = m_vis & (o_s[None, :] <= (S - T + o_t)[:, None])
             b_s = tl.where(m_vis, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s - b_lse[:, None])
-        b_dp = _dot(b_do, b_vt, INPUT_PRECISION, UPCAST)
+        b_dp = _dot(b_do, b_vt, UPCAST)
         b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dq += _dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), INPUT_PRECISION, UPCAST)
+        b_dq += _dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), UPCAST)
     return b_dq
 
 
@@ -324,33 +298,29 @@ def _moda_bwd_dq_depth_kernel(
     s_dkb, s_dkh, s_dkt, s_dkm, s_dkd,
     s_dvb, s_dvh, s_dvt, s_dvm, s_dvd,
     s_gkb, s_gkh, s_gkt, s_gkm, s_gkd,
-    s_gvb, s_gvh, s_gvt, s_gvm, s_gvd,
     s_mb, s_mh, s_mt, s_ms,
     Hkv, T, S, M, D, G, scale, qk_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DM: tl.constexpr,
-    BLOCK_D: tl.constexpr, DEPTH_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    BLOCK_D: tl.constexpr, DEPTH_DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dQ (all G heads of a query block) and the block's depth dK / dV, recomputing P from ``lse``.
 
-    ``do``, ``dq`` are contiguous [B, Hq, T, D]; ``lse``, ``delta`` contiguous [B, Hq, T] fp32;
-    ``ddk``, ``ddv`` [B, Hkv, T, M, D] are written through their strides (``s_gk*``, ``s_gv*``), like
-    the depth entries ``dk``, ``dv`` are read through theirs (``s_dk*``, ``s_dv*``); with ``ACCUMULATE``
-    the gradients are added to what they hold (each entry belongs to exactly one program: no race).
+    ``do``, ``dq`` are contiguous [B, Hq, T, D]; ``lse``, ``delta`` contiguous [B, Hq, T] fp32; ``ddk``, ``ddv``
+    [B, Hkv, T, M, D] are written through the strides ``s_gk*`` (both have the same), like the depth entries
+    ``dk``, ``dv`` are read through theirs.
     """
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    # int64 batch / head indices: every offset built from them is int64 (tensors may exceed 2**31 elements).
+    i_t, i_bh = _program_ids(tl.cdiv(T, BLOCK_T))
     i_b, i_hkv = (i_bh // Hkv).to(tl.int64), (i_bh % Hkv).to(tl.int64)
     Hq = Hkv * G
     BLOCK_R: tl.constexpr = BLOCK_T * G_PAD
 
     o_r = tl.arange(0, BLOCK_R)
-    o_t = i_t * BLOCK_T + o_r // G_PAD
+    o_t = (i_t * BLOCK_T + o_r // G_PAD).to(tl.int64)
     o_g = o_r % G_PAD
     o_h = i_hkv * G + o_g
     m_r = (o_t < T) & (o_g < G)
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = tl.arange(0, BLOCK_D).to(tl.int64)
     m_d = o_d < D
     m_rd = m_r[:, None] & m_d[None, :]
     o_row = (i_b * Hq + o_h) * T + o_t
@@ -364,23 +334,16 @@ def _moda_bwd_dq_depth_kernel(
 
     p_k = k + i_b * s_kb + i_hkv * s_kh
     p_v = v + i_b * s_vb + i_hkv * s_vh
-    p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None].to(tl.int64) * s_mt  # T * S may pass 2**31
+    p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None] * s_mt
 
-    t_first = i_t * BLOCK_T
-    t_last = tl.minimum(t_first + BLOCK_T, T) - 1
-    if CAUSAL:
-        s_hi = S - T + t_last + 1
-        s_full = (S - T + t_first + 1) // BLOCK_S * BLOCK_S
-    else:
-        s_hi = S
-        s_full = S // BLOCK_S * BLOCK_S
+    t_first, t_last, s_full, s_hi = _seq_bounds(i_t, T, S, CAUSAL, BLOCK_T, BLOCK_S)
     b_dq = _moda_bwd_dq_seq_inner(
         b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, p_mask, o_t, m_r, o_d, m_d, 0, s_full, T, S, qk_scale,
-        s_ks, s_kd, s_vs, s_vd, s_ms, CAUSAL, HAS_MASK, False, BLOCK_S, INPUT_PRECISION, UPCAST,
+        s_ks, s_kd, s_vs, s_vd, s_ms, CAUSAL, HAS_MASK, False, BLOCK_S, UPCAST,
     )
     b_dq = _moda_bwd_dq_seq_inner(
         b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, p_mask, o_t, m_r, o_d, m_d, s_full, s_hi, T, S, qk_scale,
-        s_ks, s_kd, s_vs, s_vd, s_ms, CAUSAL, HAS_MASK, True, BLOCK_S, INPUT_PRECISION, UPCAST,
+        s_ks, s_kd, s_vs, s_vd, s_ms, CAUSAL, HAS_MASK, True, BLOCK_S, UPCAST,
     )
 
     # Depth phase: every row that sees a depth entry of this chunk is in this program, so the
@@ -388,7 +351,7 @@ def _moda_bwd_dq_depth_kernel(
     p_dk = dk + i_b * s_dkb + i_hkv * s_dkh
     p_dv = dv + i_b * s_dvb + i_hkv * s_dvh
     p_ddk = ddk + i_b * s_gkb + i_hkv * s_gkh
-    p_ddv = ddv + i_b * s_gvb + i_hkv * s_gvh
+    p_ddv = ddv + i_b * s_gkb + i_hkv * s_gkh
     j_lo = t_first * M
     j_hi = (t_last + 1) * M
     if DEPTH_DOT:
@@ -396,51 +359,48 @@ def _moda_bwd_dq_depth_kernel(
             o_j = j_start + tl.arange(0, BLOCK_DM)
             m_j = o_j < j_hi
             o_jt = (o_j // M).to(tl.int64)
-            o_jm = o_j % M
+            o_jm = (o_j % M).to(tl.int64)
             m_jd = m_j[:, None] & m_d[None, :]
             b_dkt = tl.load(p_dk + o_jt[None, :] * s_dkt + o_jm[None, :] * s_dkm + o_d[:, None] * s_dkd,
                             mask=m_d[:, None] & m_j[None, :], other=0.0)
             b_dvt = tl.load(p_dv + o_jt[None, :] * s_dvt + o_jm[None, :] * s_dvm + o_d[:, None] * s_dvd,
                             mask=m_d[:, None] & m_j[None, :], other=0.0)
-            b_s = _dot(b_q, b_dkt, INPUT_PRECISION, UPCAST) * qk_scale
+            b_s = _dot(b_q, b_dkt, UPCAST) * qk_scale
             b_s = tl.where((o_t[:, None] == o_jt[None, :]) & m_j[None, :], b_s, float("-inf"))
             b_p = tl.math.exp2(b_s - b_lse[:, None])  # [BLOCK_R, BLOCK_DM]
-            b_dp = _dot(b_do, b_dvt, INPUT_PRECISION, UPCAST)
+            b_dp = _dot(b_do, b_dvt, UPCAST)
             b_ds = b_p * (b_dp - b_delta[:, None])
-            b_dq += _dot(b_ds.to(b_dkt.dtype), tl.trans(b_dkt), INPUT_PRECISION, UPCAST)
-            b_ddv = _dot(tl.trans(b_p.to(b_do.dtype)), b_do, INPUT_PRECISION, UPCAST)
-            b_ddk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, INPUT_PRECISION, UPCAST) * scale
-            p_gk = p_ddk + o_jt[:, None] * s_gkt + o_jm[:, None] * s_gkm + o_d[None, :] * s_gkd
-            p_gv = p_ddv + o_jt[:, None] * s_gvt + o_jm[:, None] * s_gvm + o_d[None, :] * s_gvd
-            if ACCUMULATE:
-                b_ddk += tl.load(p_gk, mask=m_jd, other=0.0).to(tl.float32)
-                b_ddv += tl.load(p_gv, mask=m_jd, other=0.0).to(tl.float32)
-            tl.store(p_gk, b_ddk.to(ddk.dtype.element_ty), mask=m_jd)
-            tl.store(p_gv, b_ddv.to(ddv.dtype.element_ty), mask=m_jd)
+            b_dq += _dot(b_ds.to(b_dkt.dtype), tl.trans(b_dkt), UPCAST)
+            b_ddv = _dot(tl.trans(b_p.to(b_do.dtype)), b_do, UPCAST)
+            b_ddk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, UPCAST) * scale
+            o_g_off = o_jt[:, None] * s_gkt + o_jm[:, None] * s_gkm + o_d[None, :] * s_gkd
+            tl.store(p_ddk + o_g_off, b_ddk.to(ddk.dtype.element_ty), mask=m_jd)
+            tl.store(p_ddv + o_g_off, b_ddv.to(ddv.dtype.element_ty), mask=m_jd)
     else:
         # Per-entry form (see the forward); the G rows of a token are summed by a reshape.
-        p_dk_r = p_dk + o_t[:, None].to(tl.int64) * s_dkt + o_d[None, :] * s_dkd
-        p_dv_r = p_dv + o_t[:, None].to(tl.int64) * s_dvt + o_d[None, :] * s_dvd
-        o_tt = t_first + tl.arange(0, BLOCK_T)  # the block's tokens
+        p_dk_r = p_dk + o_t[:, None] * s_dkt + o_d[None, :] * s_dkd
+        p_dv_r = p_dv + o_t[:, None] * s_dvt + o_d[None, :] * s_dvd
+        o_tt = (t_first + tl.arange(0, BLOCK_T)).to(tl.int64)  # the block's tokens
         m_td = (o_tt < T)[:, None] & m_d[None, :]
-        p_gk = p_ddk + o_tt[:, None].to(tl.int64) * s_gkt + o_d[None, :] * s_gkd  # [BLOCK_T, BLOCK_D] at m = 0
-        p_gv = p_ddv + o_tt[:, None].to(tl.int64) * s_gvt + o_d[None, :] * s_gvd
+        p_gk = p_ddk + o_tt[:, None] * s_gkt + o_d[None, :] * s_gkd  # [BLOCK_T, BLOCK_D] at m = 0
+        p_gv = p_ddv + o_tt[:, None] * s_gkt + o_d[None, :] * s_gkd
         b_qf = b_q.to(tl.float32)
         b_dof = b_do.to(tl.float32)
-        for i_m in range(0, M):
-            b_dkr = tl.load(p_dk_r + i_m * s_dkm, mask=m_rd, other=0.0).to(tl.float32)
-            b_dvr = tl.load(p_dv_r + i_m * s_dvm, mask=m_rd, other=0.0).to(tl.float32)
+        for _ in range(0, M):  # the pointers step one entry at a time: no index x stride product
+            b_dkr = tl.load(p_dk_r, mask=m_rd, other=0.0).to(tl.float32)
+            b_dvr = tl.load(p_dv_r, mask=m_rd, other=0.0).to(tl.float32)
+            p_dk_r += s_dkm
+            p_dv_r += s_dvm
             b_sm = tl.where(m_r, tl.sum(b_qf * b_dkr, 1) * qk_scale, float("-inf"))
             b_pm = tl.math.exp2(b_sm - b_lse)  # [BLOCK_R]
             b_dsm = b_pm * (tl.sum(b_dof * b_dvr, 1) - b_delta)
             b_dq += b_dsm[:, None] * b_dkr
             b_ddv = tl.sum(tl.reshape(b_pm[:, None] * b_dof, [BLOCK_T, G_PAD, BLOCK_D]), 1)
             b_ddk = tl.sum(tl.reshape(b_dsm[:, None] * b_qf, [BLOCK_T, G_PAD, BLOCK_D]), 1) * scale
-            if ACCUMULATE:
-                b_ddk += tl.load(p_gk + i_m * s_gkm, mask=m_td, other=0.0).to(tl.float32)
-                b_ddv += tl.load(p_gv + i_m * s_gvm, mask=m_td, other=0.0).to(tl.float32)
-            tl.store(p_gk + i_m * s_gkm, b_ddk.to(ddk.dtype.element_ty), mask=m_td)
-            tl.store(p_gv + i_m * s_gvm, b_ddv.to(ddv.dtype.element_ty), mask=m_td)
+            tl.store(p_gk, b_ddk.to(ddk.dtype.element_ty), mask=m_td)
+            tl.store(p_gv, b_ddv.to(ddv.dtype.element_ty), mask=m_td)
+            p_gk += s_gkm
+            p_gv += s_gkm
 
     tl.store(dq + o_row[:, None] * D + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_rd)
 
@@ -455,19 +415,18 @@ def _moda_bwd_dkdv_kernel(
     Hkv, T, S, D, G, scale, qk_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Sequence dK / dV of one KV block of one (batch, KV head): loops over the query blocks that can
     see it, all G query heads at once. ``dk``, ``dv`` are contiguous [B, Hkv, S, D]."""
-    i_s, i_bh = tl.program_id(0), tl.program_id(1)
-    # int64 batch / head indices: every offset built from them is int64 (tensors may exceed 2**31 elements).
+    i_s, i_bh = _program_ids(tl.cdiv(S, BLOCK_S))
     i_b, i_hkv = (i_bh // Hkv).to(tl.int64), (i_bh % Hkv).to(tl.int64)
     Hq = Hkv * G
     BLOCK_R: tl.constexpr = BLOCK_T * G_PAD
 
-    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    o_s = (i_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
     m_s = o_s < S
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = tl.arange(0, BLOCK_D).to(tl.int64)
     m_d = o_d < D
     m_sd = m_s[:, None] & m_d[None, :]
     b_k = tl.load(k + i_b * s_kb + i_hkv * s_kh + o_s[:, None] * s_ks + o_d[None, :] * s_kd, mask=m_sd, other=0.0)
@@ -482,7 +441,7 @@ def _moda_bwd_dkdv_kernel(
         t_lo = 0
     o_rr = tl.arange(0, BLOCK_R)
     for t_start in range(t_lo, T, BLOCK_T):
-        o_t = t_start + o_rr // G_PAD
+        o_t = (t_start + o_rr // G_PAD).to(tl.int64)
         o_g = o_rr % G_PAD
         o_h = i_hkv * G + o_g
         m_r = (o_t < T) & (o_g < G)
@@ -494,297 +453,169 @@ def _moda_bwd_dkdv_kernel(
         b_lse = tl.load(lse + o_row, mask=m_r, other=float("inf"))
         b_delta = tl.load(delta + o_row, mask=m_r, other=0.0)
 
-        b_s = _dot(b_q, tl.trans(b_k), INPUT_PRECISION, UPCAST) * qk_scale  # [BLOCK_R, BLOCK_S]
-        if HAS_MASK:
-            p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None].to(tl.int64) * s_mt + o_s[None, :] * s_ms
-            b_s += tl.load(p_mask, mask=m_r[:, None] & m_s[None, :], other=0.0) * 1.4426950408889634
+        b_s = _dot(b_q, tl.trans(b_k), UPCAST) * qk_scale  # [BLOCK_R, BLOCK_S]
+        p_mask = mask + i_b * s_mb + o_h[:, None] * s_mh + o_t[:, None] * s_mt + o_s[None, :] * s_ms
+        b_s = _hide(b_s, p_mask, m_r[:, None] & m_s[None, :], HAS_MASK)
         m_vis = m_r[:, None] & m_s[None, :]
         if CAUSAL:
             m_vis = m_vis & (o_s[None, :] <= (S - T + o_t)[:, None])
         b_s = tl.where(m_vis, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s - b_lse[:, None])
-        b_dv += _dot(tl.trans(b_p.to(b_do.dtype)), b_do, INPUT_PRECISION, UPCAST)
-        b_dp = _dot(b_do, tl.trans(b_v), INPUT_PRECISION, UPCAST)
+        b_dv += _dot(tl.trans(b_p.to(b_do.dtype)), b_do, UPCAST)
+        b_dp = _dot(b_do, tl.trans(b_v), UPCAST)
         b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dk += _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, INPUT_PRECISION, UPCAST)
+        b_dk += _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, UPCAST)
 
     o_kv = ((i_b * Hkv + i_hkv) * S + o_s)[:, None] * D + o_d[None, :]
     tl.store(dk + o_kv, (b_dk * scale).to(dk.dtype.element_ty), mask=m_sd)
     tl.store(dv + o_kv, b_dv.to(dv.dtype.element_ty), mask=m_sd)
 
 
-# ----------------------------------------------------------------------------------------------
-# Host side
-# ----------------------------------------------------------------------------------------------
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _block_sizes(T: int, G: int, D: int, block_t: int | None, block_s: int | None,
-                 depth_dot: bool | None) -> dict[str, int | bool]:
-    """Tile sizes and the depth-phase form. Rows per program = BLOCK_T * G_PAD (>= 16 for ``tl.dot``).
+def _block_sizes(T: int, G: int, D: int, block_t: int | None, block_s: int | None, depth_dot: bool | None,
+                 backward: bool = False, ieee: bool = False) -> tuple[dict[str, int | bool], int]:
+    """Tile sizes, the depth-phase form and the warps of one launch: ``(constexprs, num_warps)``.
 
-    ``DEPTH_DOT``: score the depth chunk with tensor-core dots (keeping 1 / BLOCK_T of the products)
-    when BLOCK_T <= 16, i.e. G >= 4 at the default 64 rows; per-entry row dots otherwise. The
-    threshold is the FLOP break-even (tensor cores ~16x the CUDA-core rate), not a measured tuning.
+    Rows per program = BLOCK_T * G_PAD (>= 16 for ``tl.dot``): 64 in the forward for d <= 64, else 32; 32 in the
+    backward (more live tiles), 16 for d > 128; KV blocks of as many keys (at least 16); 8 warps from d = 128 on and
+    in the backward: no bf16 / fp16 kernel spills registers on sm_80 or sm_90 for d = 64, 128, 256 (compiled ahead
+    of time, docs/MODA.md). ``ieee`` (IEEE fp32 dots, on the CUDA cores): 16 rows, 4 warps. ``DEPTH_DOT``:
+    tensor-core dots over the depth chunk (keeping 1 / BLOCK_T of the products) when BLOCK_T <= 16, per-entry row
+    dots otherwise (the FLOP break-even; not a measured tuning).
     """
     g_pad = _next_pow2(G)
+    rows = 16 if ieee else (16 if D > 128 else 32) if backward else (64 if D <= 64 else 32)
     if block_t is None:
-        rows = 64 if D <= 64 else 32
-        block_t = max(rows // g_pad, 1)
         # Decoding / short T: no need for more token rows than T (keeping >= 16 rows for tl.dot).
-        block_t = max(min(block_t, _next_pow2(T)), max(16 // g_pad, 1))
+        block_t = max(min(max(rows // g_pad, 1), _next_pow2(T)), max(16 // g_pad, 1))
     elif block_t * g_pad < 16:
         block_t = max(16 // g_pad, 1)
     block_t = _next_pow2(block_t)
-    if block_s is None:
-        block_s = 64 if D <= 64 else 32
+    block_s = max(_next_pow2(rows if block_s is None else block_s), 16)
     return {
-        "BLOCK_T": block_t,
-        "G_PAD": g_pad,
-        "BLOCK_S": max(_next_pow2(block_s), 16),
-        "BLOCK_DM": max(_next_pow2(block_s), 16),
-        "BLOCK_D": max(_next_pow2(D), 16),
+        "BLOCK_T": block_t, "G_PAD": g_pad, "BLOCK_S": block_s, "BLOCK_DM": block_s, "BLOCK_D": max(_next_pow2(D), 16),
         "DEPTH_DOT": bool(block_t <= 16 if depth_dot is None else depth_dot),
-    }
+    }, 4 if ieee else 8 if backward or D >= 128 else 4
 
 
-def _prepare_mask(attention_mask: torch.Tensor | None, shape: tuple[int, int, int, int],
-                  ref: torch.Tensor) -> torch.Tensor | None:
+def launch_grid(num_blocks: int, batch_heads: int) -> tuple[int]:
+    """The folded 1-d grid: ``num_blocks * batch_heads`` programs on axis 0 (CUDA allows 2**31 - 1 there)."""
+    programs = num_blocks * batch_heads
+    if programs > 2**31 - 1:
+        raise ValueError(f"the MoDA kernels launch one program per block and (batch, KV head): {programs} "
+                         "programs exceed CUDA's 2**31 - 1; split the batch")
+    return (programs,)
+
+
+def _prepare_mask(attention_mask: torch.Tensor | None, shape: tuple[int, int, int, int]) -> torch.Tensor | None:
     """Additive fp32 mask broadcast (by strides, no copy of the broadcast) to ``shape`` [B, Hq, T, S]."""
     if attention_mask is None:
         return None
     if attention_mask.dtype == torch.bool:
-        add = torch.zeros(attention_mask.shape, dtype=torch.float32, device=ref.device)
-        add = add.masked_fill(~attention_mask.to(ref.device), float("-inf"))
+        add = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
+        add = add.masked_fill(~attention_mask, float("-inf"))
     else:
-        add = attention_mask.detach().to(device=ref.device, dtype=torch.float32)
+        add = attention_mask.detach().to(torch.float32)
     return torch.broadcast_to(add, shape)
-
-
-def _dot_flags(dtype: torch.dtype) -> dict[str, object]:
-    """fp32 dots in IEEE precision (not TF32); bf16 operands upcast under the interpreter (see ``_dot``)."""
-    return {
-        "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-        "UPCAST": _interpreting() and dtype == torch.bfloat16,
-    }
 
 
 def _mask_strides(mask: torch.Tensor | None) -> tuple[int, int, int, int]:
     return tuple(mask.stride()) if mask is not None else (0, 0, 0, 0)  # type: ignore[return-value]
 
 
-def _moda_forward(q, k, v, depth_k, depth_v, mask, scale, causal, blocks):
-    B, Hq, T, D = q.shape
-    Hkv, S, M = k.shape[1], k.shape[2], depth_k.shape[3]
-    G = Hq // Hkv
-    o = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(T, blocks["BLOCK_T"]), B * Hkv)
-    # With M = 0 the depth loop is empty: pass q in place of the (zero-size) depth tensors.
-    _moda_fwd_kernel[grid](
-        q, k, v, depth_k if M else q, depth_v if M else q, mask if mask is not None else q, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(), *_mask_strides(mask),
-        Hkv, T, S, M, D, G, scale * _LOG2E,
-        CAUSAL=causal, HAS_MASK=mask is not None, **_dot_flags(q.dtype), **blocks,
-    )
-    return o, lse
-
-
-def _moda_backward(do, q, k, v, depth_k, depth_v, mask, o, lse, scale, causal, blocks, sequence_kv=True,
-                   depth_grads_into=None):
-    """The five gradients; ``sequence_kv=False`` skips the sequence dK / dV kernel (returns None for them);
-    ``depth_grads_into=(gk, gv)`` adds the depth gradients into those tensors (any strides) and returns them."""
-    B, Hq, T, D = q.shape
-    Hkv, S, M = k.shape[1], k.shape[2], depth_k.shape[3]
-    G = Hq // Hkv
-    do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1)  # [B, Hq, T]
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if depth_grads_into is None:
-        ddk = torch.empty(depth_k.shape, dtype=depth_k.dtype, device=depth_k.device)
-        ddv = torch.empty(depth_v.shape, dtype=depth_v.dtype, device=depth_v.device)
-    else:
-        ddk, ddv = depth_grads_into
-    common = dict(CAUSAL=causal, HAS_MASK=mask is not None, **_dot_flags(q.dtype))
-    mask_arg = mask if mask is not None else q
-    grid = (triton.cdiv(T, blocks["BLOCK_T"]), B * Hkv)
-    _moda_bwd_dq_depth_kernel[grid](
-        q, k, v, depth_k if M else q, depth_v if M else q, mask_arg, do, lse, delta, dq,
-        ddk if M else dq, ddv if M else dq,
-        *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(),
-        *ddk.stride(), *ddv.stride(), *_mask_strides(mask),
-        Hkv, T, S, M, D, G, scale, scale * _LOG2E, **common, **blocks, ACCUMULATE=depth_grads_into is not None,
-    )
-    if not sequence_kv:
-        return dq, None, None, ddk, ddv
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    kv_blocks = {key: blocks[key] for key in ("BLOCK_T", "G_PAD", "BLOCK_S", "BLOCK_D")}
-    grid = (triton.cdiv(S, blocks["BLOCK_S"]), B * Hkv)
-    _moda_bwd_dkdv_kernel[grid](
-        q, k, v, mask_arg, do, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *_mask_strides(mask),
-        Hkv, T, S, D, G, scale, scale * _LOG2E, **common, **kv_blocks,
-    )
-    return dq, dk, dv, ddk, ddv
-
-
-def _check_kernel_dtype(q: torch.Tensor) -> None:
+def _check(q: torch.Tensor, tensors) -> None:
     if not _HAS_TRITON:
         raise RuntimeError("the MoDA Triton kernels need Triton, which could not be imported")
-    if q.dtype not in TRITON_MODA_DTYPES:
-        raise ValueError(
-            f"the MoDA Triton kernels take {TRITON_MODA_DTYPES}; got {q.dtype} "
-            "(moda_attention routes other dtypes to the PyTorch path)"
-        )
+    if q.dtype not in TRITON_MODA_DTYPES or any(x.dtype != q.dtype for x in tensors):
+        raise ValueError(f"the MoDA Triton kernels take q, k, v and the depth entries in one dtype of "
+                         f"{TRITON_MODA_DTYPES}; got {[x.dtype for x in (q, *tensors)]} "
+                         "(moda_attention casts to one compute dtype and routes float64 to the PyTorch path)")
 
 
-def triton_moda_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    *,
-    block_t: int | None = None,
-    block_s: int | None = None,
-    depth_dot: bool | None = None,
-) -> tuple[torch.Tensor, tuple]:
-    """The kernel forward without autograd: ``(out [B, Hq, T, d], state)`` for :func:`triton_moda_backward`.
+def _ieee(dtype: torch.dtype) -> bool:
+    """IEEE fp32 dots: fp32 inputs where torch's float32 matmul precision forbids TF32 (``"highest"``)."""
+    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 
-    Inputs as in :func:`triton_moda_attention` (validated by the caller; T >= 1), read through their
-    strides; ``state`` = (lse [B, Hq, T] fp32, the prepared fp32 mask or None, the tile sizes).
+
+def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Launch on the tensors' device (and so on its current stream), not on ``torch.cuda.current_device()``."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def triton_moda_forward(q, k, v, depth_k, depth_v, attention_mask, scale, causal, *,
+                        block_t=None, block_s=None, depth_dot=None):
+    """The kernel forward without autograd: ``(out [B, Hq, T, d] in q's dtype, lse [B, Hq, T] fp32)``.
+
+    Inputs as in the module docstring (not validated beyond dtypes: ``moda_attention`` validates them), T >= 1,
+    read through their strides; ``lse`` is the natural-log row log-sum-exp, ``+inf`` for rows with no visible
+    key. ``block_t``, ``block_s``, ``depth_dot`` override the tile rule (tests reach multi-block paths with them).
     """
-    _check_kernel_dtype(q)
+    _check(q, (k, v, depth_k, depth_v))
     B, Hq, T, D = q.shape
-    mask = _prepare_mask(attention_mask, (B, Hq, T, k.shape[2]), q)
-    blocks = _block_sizes(T, Hq // k.shape[1], D, block_t, block_s, depth_dot)
-    o, lse = _moda_forward(q, k, v, depth_k, depth_v, mask, float(scale), bool(causal), blocks)
-    return o, (lse, mask, blocks)
+    Hkv, S, M = k.shape[1], k.shape[2], depth_k.shape[3]
+    ieee = _ieee(q.dtype)
+    blocks, num_warps = _block_sizes(T, Hq // Hkv, D, block_t, block_s, depth_dot, ieee=ieee)
+    mask = _prepare_mask(attention_mask, (B, Hq, T, S))
+    depth_k, depth_v = depth_k.transpose(1, 2), depth_v.transpose(1, 2)  # token-major -> the kernels' head-major
+    o = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+    with _device_guard(q.device):
+        # With M = 0 the depth loop is empty: q stands in for the (zero-size) depth tensors, and for no mask.
+        _moda_fwd_kernel[launch_grid(triton.cdiv(T, blocks["BLOCK_T"]), B * Hkv)](
+            q, k, v, depth_k if M else q, depth_v if M else q, mask if mask is not None else q, o, lse,
+            *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(), *_mask_strides(mask),
+            Hkv, T, S, M, D, Hq // Hkv, float(scale) * _LOG2E,
+            CAUSAL=bool(causal), HAS_MASK=mask is not None,
+            UPCAST=ieee or _interpreting() and q.dtype == torch.bfloat16, num_warps=num_warps, **blocks,
+        )
+    return o, lse.mul_(math.log(2.0))
 
 
-def triton_moda_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    out: torch.Tensor,
-    state: tuple,
-    scale: float,
-    causal: bool,
-    sequence_kv: bool = True,
-    depth_grads_into: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor | None, ...]:
-    """The kernel backward: ``(dq, dk, dv, d_depth_k, d_depth_v)`` for ``grad_out`` [B, Hq, T, d].
+def triton_moda_backward(grad_out, q, k, v, depth_k, depth_v, attention_mask, out, lse, scale, causal,
+                         *, block_t=None, block_s=None, depth_dot=None):
+    """The kernel backward: ``(dq, dk, dv, None, d_depth_k, d_depth_v)`` for ``grad_out`` [B, Hq, T, d].
 
-    ``out`` and ``state`` come from :func:`triton_moda_forward` on the same inputs. Each gradient has its
-    input's shape (depth gradients of a strided view included); dk, dv are None when ``sequence_kv`` is
-    False. ``depth_grads_into=(gk, gv)``: tensors of depth_k's shape and dtype, any strides (e.g. slices
-    of a gradient buffer), that the depth gradients are added into in place and returned as. No
-    autograd graph is built.
+    ``out`` and ``lse`` come from :func:`triton_moda_forward` on the same inputs. The depth gradients are
+    token-major [B, T, Hkv, M, d] (contiguous), the others have their input's shape; all in q's dtype. No
+    autograd graph is built. The fourth value (the mask's gradient) is always None: the kernels do not
+    differentiate the mask.
     """
-    lse, mask, blocks = state
-    return _moda_backward(grad_out, q, k, v, depth_k, depth_v, mask, out, lse, float(scale), bool(causal),
-                          blocks, sequence_kv, depth_grads_into)
-
-
-class _MoDATritonFunction(torch.autograd.Function):
-    """Autograd around the kernels. A backward with ``create_graph=True`` (second-order gradients) is
-    computed by recomputing the output with ``second_order`` (a twice-differentiable implementation of
-    the same op, given by the caller) and differentiating it; without one it raises."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, depth_k, depth_v, attention_mask, scale, causal, blocks, second_order):
-        o, state = triton_moda_forward(q, k, v, depth_k, depth_v, attention_mask, scale, causal, **blocks)
-        ctx.save_for_backward(q, k, v, depth_k, depth_v, o)
-        ctx.state, ctx.attention_mask = state, attention_mask
-        ctx.scale, ctx.causal, ctx.second_order = scale, causal, second_order
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, depth_k, depth_v, o = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:5]
-        if torch.is_grad_enabled():  # create_graph=True: the gradients must themselves be differentiable
-            if ctx.second_order is None:
-                raise RuntimeError(
-                    "triton_moda_attention does not support second-order gradients (create_graph=True); "
-                    "call moda_attention(..., backend='triton'), which recomputes them with the PyTorch path, "
-                    "or use backend='torch' / 'reference'"
-                )
-            # aliases that only the recomputation reads: the gradient with respect to the inputs themselves would
-            # be the total derivative through the caller's graph (one input may depend on another)
-            inputs = tuple(x.view_as(x) for x in (q, k, v, depth_k, depth_v))
-            out = ctx.second_order(*inputs, ctx.attention_mask, ctx.scale, ctx.causal)
-            wanted = [x for x, need in zip(inputs, needs) if need]
-            grads = iter(torch.autograd.grad(out, wanted, do, create_graph=True, allow_unused=True))
-            result = [next(grads) if need else None for need in needs]
-            result = [torch.zeros_like(x) if need and g is None else g for x, need, g in zip(inputs, needs, result)]
-        else:
-            result = triton_moda_backward(do, q, k, v, depth_k, depth_v, o, ctx.state, ctx.scale, ctx.causal,
-                                          sequence_kv=needs[1] or needs[2])
-            result = [g if need else None for g, need in zip(result, needs)]
-        return (*result, None, None, None, None, None)
-
-
-def triton_moda_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    causal: bool = True,
-    *,
-    block_t: int | None = None,
-    block_s: int | None = None,
-    depth_dot: bool | None = None,
-    second_order=None,
-) -> torch.Tensor:
-    """MoDA attention through the fused Triton kernels; differentiable in q, k, v, depth_k, depth_v.
-
-    The kernel entry point: inputs are NOT validated here (``moda_attention`` validates them and routes
-    what the kernel cannot compute, such as float64 or a mask that needs a gradient, to the PyTorch path).
-
-    Args:
-        q: [B, Hq, T, d] queries (fp16 / bf16 / fp32); query i sits at sequence position S - T + i.
-        k, v: [B, Hkv, S, d] sequence keys / values, S >= T, Hq a multiple of Hkv.
-        depth_k, depth_v: [B, Hkv, T, M, d] each token's own depth entries (M may be 0); any strides, e.g.
-            ``buffer[lo:hi].permute(1, 3, 2, 0, 4)`` of a slot-major [M_max, B, T, Hkv, d] buffer. Their gradients have
-            the same shape.
-        attention_mask: bool (True = attend) or additive float, broadcastable to [B, Hq, T, S];
-            sequence pool only; any broadcastable shape is read through strides. Not differentiated.
-        scale: softmax scale, default 1 / sqrt(d).
-        causal: query i sees sequence keys at positions <= S - T + i; all S keys when False.
-        block_t, block_s: tile-size overrides (tokens per query block, keys per KV / depth block);
-            tests use them to exercise multi-block paths at small sizes.
-        depth_dot: force the depth phase's form (tensor-core block-diagonal dots or per-entry row
-            dots); default by block size, see ``_block_sizes``.
-        second_order: None, or a twice-differentiable function with this op's positional signature
-            ``(q, k, v, depth_k, depth_v, attention_mask, scale, causal)`` used to compute
-            second-order gradients; with None a backward with ``create_graph=True`` raises RuntimeError.
-
-    Returns:
-        [B, Hq, T, d] in q's dtype; rows with no visible key (M = 0, all keys masked) are zeros.
-
-    Raises:
-        ValueError: for a dtype other than fp16 / bf16 / fp32. RuntimeError: without Triton.
-    """
-    _check_kernel_dtype(q)
-    scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    tensors = (q, k, v, depth_k, depth_v)
-    if q.shape[0] * q.shape[1] * q.shape[2] == 0:
-        # Nothing to attend from; zeros that stay connected to every input (zero gradients).
-        return q.new_zeros(q.shape) + 0 * sum(t.sum() for t in tensors)
-    blocks = {"block_t": block_t, "block_s": block_s, "depth_dot": depth_dot}
-    return _MoDATritonFunction.apply(q, k, v, depth_k, depth_v, attention_mask, scale, bool(causal), blocks,
-                                     second_order)
+    _check(q, (k, v, depth_k, depth_v))
+    B, Hq, T, D = q.shape
+    Hkv, S, M = k.shape[1], k.shape[2], depth_k.shape[3]
+    G = Hq // Hkv
+    ieee = _ieee(q.dtype)
+    blocks, num_warps = _block_sizes(T, G, D, block_t, block_s, depth_dot, backward=True, ieee=ieee)
+    mask = _prepare_mask(attention_mask, (B, Hq, T, S))
+    depth_k, depth_v = depth_k.transpose(1, 2), depth_v.transpose(1, 2)
+    do = grad_out.contiguous()
+    delta = (do.float() * out.float()).sum(-1).contiguous()  # [B, Hq, T]
+    lse2 = (lse.float() * _LOG2E).contiguous()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ddk = torch.empty((B, T, Hkv, M, D), dtype=q.dtype, device=q.device)
+    ddv = torch.empty_like(ddk)
+    dk, dv = torch.empty(k.shape, dtype=q.dtype, device=q.device), torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    flags = dict(CAUSAL=bool(causal), HAS_MASK=mask is not None,
+                 UPCAST=ieee or _interpreting() and q.dtype == torch.bfloat16)
+    mask_arg = mask if mask is not None else q
+    scale = float(scale)
+    with _device_guard(q.device):
+        _moda_bwd_dq_depth_kernel[launch_grid(triton.cdiv(T, blocks["BLOCK_T"]), B * Hkv)](
+            q, k, v, depth_k if M else q, depth_v if M else q, mask_arg, do, lse2, delta, dq,
+            ddk.transpose(1, 2) if M else dq, ddv.transpose(1, 2) if M else dq,
+            *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(),
+            *ddk.transpose(1, 2).stride(), *_mask_strides(mask),
+            Hkv, T, S, M, D, G, scale, scale * _LOG2E, num_warps=num_warps, **flags, **blocks,
+        )
+        kv_blocks = {key: blocks[key] for key in ("BLOCK_T", "G_PAD", "BLOCK_S", "BLOCK_D")}
+        _moda_bwd_dkdv_kernel[launch_grid(triton.cdiv(S, blocks["BLOCK_S"]), B * Hkv)](
+            q, k, v, mask_arg, do, lse2, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *_mask_strides(mask),
+            Hkv, T, S, D, G, scale, scale * _LOG2E, num_warps=num_warps, **flags, **kv_blocks,
+        )
+    return dq, dk, dv, None, ddk, ddv

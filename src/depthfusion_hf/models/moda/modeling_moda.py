@@ -1,4 +1,4 @@
-"""MoDA: a Llama decoder whose attention also reads the same token's depth stream (arXiv 2603.15619).
+"""MoDA: a Llama decoder whose attention also reads the same token's depth entries (arXiv 2603.15619).
 
     layer l, token t:  o = softmax( [q K_seq^T | q K_depth(t)^T] / sqrt(d) ) [V_seq ; V_depth(t)]
     K_depth(t), V_depth(t) = entries written for token t by layers 0..l-1, in write order
@@ -7,56 +7,36 @@
     ffn_i  = ffn_kv_proj_i(FFN input of layer i at token t)  (D -> 2 Hkv d; only with moda_ffn_kv,
              and never for the last layer, whose entry nobody reads)
 
-RoPE convention: depth keys are stored *post-RoPE*, each rotated by its own token's position, which
-is also the query's position. Since ``R(t) q . R(t) k = q . k``, every depth logit equals the
-unrotated ``q . k``: depth attention is position-free, and the attention keys can be reused straight
-from the layer (the values the KV cache holds) without a second projection.
-
-Cached decoding: the depth stream is per token, so a forward pass builds it only for the tokens it
-processes; the ordinary ``DynamicCache`` (sequence K/V) is all the state generation needs.
-
-Depth stream: each forward pass writes the entries once (``depth_stream.DepthStream``: kept as written on
-the CPU fast path, copied into a slot-major buffer on Triton and in half precision) and every later layer
-reads them in place; in the backward each entry's gradient is formed once, at its writer. Where the stream's
-autograd path does
-not apply (gradients enabled with the ``reference`` backend, the PyTorch path off CPU, a Python
-dispatch mode, or gradient checkpointing, whose recomputation would write the buffer again) the
-model falls back to passing the entries to each layer as flat positional tensors (so that reentrant
-checkpointing tracks them) and stacking them per layer, the original path (``MoDAModel.uses_depth_stream``
-is the one place that decides).
+Depth keys are stored post-RoPE, rotated by their own token's position (the query's): ``R(t) q . R(t) k = q . k``,
+so depth attention is position-free and the attention keys are reused as the KV cache holds them. The entries are
+the tensors the layers wrote ([B, Hkv, T, d], never copied into a buffer), handed to each layer as positional
+arguments (so every checkpointing tracks them) and to ``moda_attention`` as a sequence, one call per layer. They
+are per token: a cached forward builds them for its own tokens, and the ``DynamicCache`` is all generation needs.
 """
-
-from __future__ import annotations
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
+    LlamaForCausalLM,
     LlamaMLP,
+    LlamaPreTrainedModel,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_moda import MoDAConfig
-from .depth_stream import DepthStream
-from .moda_attention import (
-    moda_attention,
-    moda_joint_probs,
-    moda_saving_supported,
-    resolve_backend,
-)
+from .moda_attention import moda_attention, resolve_backend
 
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
@@ -72,7 +52,8 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
     Raises:
         ValueError: unless exactly one of the two is given, it has the shape above with at least one
             token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
-            which holds no values). On CUDA an id out of range fails asynchronously instead: a device-side assertion, raised as a RuntimeError at the next sync.
+            which holds no values). On CUDA and under ``torch.compile`` an id out of range fails as an op
+            instead: a RuntimeError (on CUDA a device-side assertion, raised at the next sync).
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -89,9 +70,9 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
     if input_ids.device.type == "meta":
         return  # no values to check: the meta device only sizes and plans models
     out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
-    if input_ids.device.type == "cuda":
-        # No host sync per forward (it would stall every training and decoding step): the check runs on the
-        # device and fails the next synchronising call with this message.
+    if input_ids.device.type == "cuda" or torch.compiler.is_compiling():
+        # No host sync per forward (it would stall every training and decoding step, and break a compiled graph):
+        # the check runs as an op and fails (on CUDA: at the next synchronising call) with this message.
         torch._assert_async(~out_of_range, f"input_ids must lie in [0, vocab_size={vocab_size})")
     elif bool(out_of_range):
         raise ValueError(
@@ -145,7 +126,7 @@ def prepare_decoder_inputs(
 
 
 def depth_window(config: MoDAConfig, layer_idx: int) -> tuple[int, int]:
-    """The depth slots ``[start, stop)`` layer ``layer_idx`` reads, in write order.
+    """The depth entries ``[start, stop)`` layer ``layer_idx`` reads, in write order.
 
     Entries are written ``[attn_0, (ffn_0), attn_1, ...]``: ``per_layer`` = 2 with ``moda_ffn_kv``, else 1.
     Layer ``l`` reads those of layers ``max(0, l - W) .. l - 1`` (W = ``moda_depth_window``, None = all).
@@ -156,27 +137,10 @@ def depth_window(config: MoDAConfig, layer_idx: int) -> tuple[int, int]:
     return first * per_layer, layer_idx * per_layer
 
 
-def stack_depth(entries: tuple[torch.Tensor, ...], like: torch.Tensor) -> torch.Tensor:
-    """Stack M depth entries [B, Hkv, T, d] into [B, Hkv, T, M, d]; M = 0 gives an empty one shaped after ``like``."""
-    if len(entries) == 0:
-        batch, heads, tokens, head_dim = like.shape
-        return like.new_zeros(batch, heads, tokens, 0, head_dim)
-    return torch.stack(entries, dim=3)
-
-
 class MoDAAttention(LlamaAttention):
     """Llama attention whose softmax also covers the token's own depth entries (same parameters as Llama).
-
-    ``depth_window`` = ``(start, stop)``: the depth slots this layer reads (:func:`depth_window`).
-
-    Returns ``(output [B, T, D], weights or None, (key, value))`` where ``weights`` is the joint
-    softmax [B, Hq, T, S + M] (only when ``output_attentions``) and ``key``, ``value`` [B, Hkv, T, d]
-    are this layer's post-RoPE K/V of the processed tokens: its entry in the depth stream.
-    """
-
-    def __init__(self, config: MoDAConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.depth_window = depth_window(config, layer_idx)
+    Returns ``(output [B, T, D], weights or None, (key, value))``: the joint softmax [B, Hq, T, S + M] (with
+    ``output_attentions``; with autograd) and this layer's post-RoPE K/V [B, Hkv, T, d], its depth entry."""
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -187,16 +151,11 @@ class MoDAAttention(LlamaAttention):
         depth_keys: tuple[torch.Tensor, ...] = (),
         depth_values: tuple[torch.Tensor, ...] = (),
         cache: Cache | None = None,
-        output_attentions: bool = False,
-        depth_stream: DepthStream | None = None,
+        op_backend: str | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
-        """MoDA attention of ``hidden_states`` [B, T, D] over the sequence pool and the token's depth entries.
-
-        The depth entries come from ``depth_stream`` (this layer's window of slots, read in place) or,
-        without one, from the tuples ``depth_keys`` / ``depth_values`` (all entries written so far, each
-        [B, Hkv, T, d]; this layer reads its window of them, stacked).
-        """
+        """MoDA attention of ``hidden_states`` [B, T, D] over the sequence pool and the token's depth entries
+        ``depth_keys`` / ``depth_values`` (this layer's window, each [B, Hkv, T, d]) on backend ``op_backend``."""
         implementation = self.config._attn_implementation
         if implementation not in SUPPORTED_ATTN_IMPLEMENTATIONS:
             raise ValueError(
@@ -218,68 +177,37 @@ class MoDAAttention(LlamaAttention):
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
         # Differs from Llama: the token's own depth entries join the softmax.
-        start, stop = self.depth_window
-        if depth_stream is not None:
-            attn_output = depth_stream.attend(
-                query_states, key_states, value_states, attention_mask, self.scaling, start, stop
-            )  # (B, Hq, T, d)
-            if output_attentions:
-                depth_k, _ = depth_stream.window(start, stop)  # (B, Hkv, T, M, d), a view
-        else:
-            depth_k = stack_depth(depth_keys[start:stop], own_entry[0])  # (B, Hkv, T, M, d)
-            depth_v = stack_depth(depth_values[start:stop], own_entry[1])
-            attn_output = moda_attention(
-                query_states, key_states, value_states, depth_k, depth_v,
-                attention_mask=attention_mask, scale=self.scaling, causal=True,
-            )  # (B, Hq, T, d)
-        attn_weights = None
-        if output_attentions:
-            with torch.no_grad():
-                probs = moda_joint_probs(query_states, key_states, depth_k, attention_mask, self.scaling, True)
-            attn_weights = probs.flatten(1, 2)  # (B, Hq, T, S + M)
-
+        attn_output = moda_attention(
+            query_states, key_states, value_states, depth_keys, depth_values, attention_mask=attention_mask,
+            scale=self.scaling, causal=True, backend=op_backend, return_weights=bool(kwargs.get("output_attentions")),
+        )  # (B, Hq, T, d), or with the weights (B, Hq, T, S + M)
+        attn_output, attn_weights = attn_output if isinstance(attn_output, tuple) else (attn_output, None)
         attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights, own_entry
 
 
 def depth_rotary(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary tables of :func:`rotate_depth_key`, built once per forward pass.
-
-    Args:
-        cos, sin: [B or 1, T, d] from the model's rotary embedding (each half of ``sin`` is the same table).
-    Returns:
-        ``(cos, signed_sin)``, each [B or 1, 1, T, d], with ``signed_sin = [-sin_1 | sin_2]`` (the halves).
-    """
+    """The rotary tables of :func:`rotate_depth_key`, built once per forward pass from the model's ``(cos, sin)``
+    ([B or 1, T, d]): ``(cos, signed_sin)``, each [B or 1, 1, T, d], ``signed_sin = [-sin_1 | sin_2]`` (halves)."""
     half = sin.shape[-1] // 2
     return cos.unsqueeze(1), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
 
 
 def rotate_depth_key(key: torch.Tensor, depth_rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """RoPE for a depth key [B, Hkv, T, d] at its own token's position, bit for bit Llama's
-    ``key * cos + rotate_half(key) * sin``: ``rotate_half(key) * sin = [-k_2 s_1 | k_1 s_2] = roll(key) * signed_sin``
-    (negation is exact), in four operations instead of nine.
-
-    Args:
-        key: [B, Hkv, T, d]; depth_rope: ``(cos, signed_sin)`` from :func:`depth_rotary`, each [B or 1, 1, T, d].
-    """
+    """RoPE for a depth key [B, Hkv, T, d], bit for bit Llama's ``key * cos + rotate_half(key) * sin``:
+    ``rotate_half(key) * sin = [-k_2 s_1 | k_1 s_2] = roll(key) * signed_sin`` (negation is exact), in four operations
+    instead of nine (they run for every layer of every decoding step)."""
     cos, signed_sin = depth_rope
     return (key * cos).add_(key.roll(key.shape[-1] // 2, dims=-1).mul_(signed_sin))
 
 
 class MoDADecoderLayer(GradientCheckpointingLayer):
-    """A Llama block with MoDA attention, an optional FFN-side depth K/V write, and pre- or post-norm.
-
-    ``norm_position="pre"`` (Llama): ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))`` with
-    ``norm1 = input_layernorm``, ``norm2 = post_attention_layernorm``.
-    ``norm_position="post"``: ``h = post_attention_layernorm(x + attn(x));
-    y = post_feedforward_layernorm(h + mlp(h))``.
-    The FFN input (``norm2(h)`` or ``h``) is what ``ffn_kv_proj`` projects.
-
-    Returns ``(hidden_states [B, T, D], *new_keys, *new_values)``, flat: the entries this layer appends to
-    the depth stream, each [B, Hkv, T, d] (one or two keys, as many values). With a ``depth_stream`` the layer also
-    writes them into it (slots ``depth_slot`` and ``depth_slot + 1``; the last layer writes none).
-    """
+    """A Llama block with MoDA attention, an optional FFN-side depth K/V write, and pre- or post-norm:
+    ``"pre"`` (Llama) ``h = x + attn(input_layernorm(x)); y = h + mlp(post_attention_layernorm(h))``, ``"post"``
+    ``h = post_attention_layernorm(x + attn(x)); y = post_feedforward_layernorm(h + mlp(h))``; ``ffn_kv_proj``
+    projects the MLP's input. Returns ``(hidden_states [B, T, D], *new_keys, *new_values)``, flat: the entries the
+    layer writes, each [B, Hkv, T, d] (one or two keys, as many values; none for the last layer)."""
 
     def __init__(self, config: MoDAConfig, layer_idx: int):
         super().__init__()
@@ -293,31 +221,22 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         else:
             self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.post_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.num_key_value_heads = config.num_key_value_heads
-        self.head_dim = self.self_attn.head_dim
-        # Differs from Llama: the FFN-side depth K/V ("Extra FFN KV Proj."), laid out [Hkv, 2, d].
-        # The last layer has none: no later layer would read its entry.
-        self.writes_ffn_kv = config.moda_ffn_kv and layer_idx < config.num_hidden_layers - 1
-        # The slot of this layer's attention entry in the depth stream (the FFN entry follows it); the last
-        # layer writes none.
-        self.depth_slot = layer_idx * (2 if config.moda_ffn_kv else 1)
+        self.num_key_value_heads, self.head_dim = config.num_key_value_heads, self.self_attn.head_dim
+        self.depth_window = depth_window(config, layer_idx)
         self.writes_depth = layer_idx < config.num_hidden_layers - 1
+        # Differs from Llama: the FFN-side depth K/V ("Extra FFN KV Proj."), laid out [Hkv, 2, d].
+        self.writes_ffn_kv = config.moda_ffn_kv and self.writes_depth
         if self.writes_ffn_kv:
             self.ffn_kv_proj = nn.Linear(
                 config.hidden_size, 2 * config.num_key_value_heads * self.head_dim, bias=config.attention_bias
             )
 
-    def ffn_entry(
-        self, ffn_input: torch.Tensor, depth_rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, ...]:
-        """The FFN-side depth K/V of ``ffn_input`` [B, T, D]: key (post-RoPE) and value, each [B, Hkv, T, d].
-
-        ``depth_rope``: the rotary tables from :func:`depth_rotary` (each [B or 1, 1, T, d]).
-        """
+    def ffn_entry(self, ffn_input: torch.Tensor, depth_rope: tuple[torch.Tensor, torch.Tensor]):
+        """The FFN-side depth K/V of ``ffn_input`` [B, T, D]: key (post-RoPE, at its token's position) and value,
+        each [B, Hkv, T, d]. ``depth_rope``: the tables of :func:`depth_rotary`."""
         batch, tokens, _ = ffn_input.shape
         # -1, not num_key_value_heads: under tensor parallelism (colwise plan) this rank holds only its heads.
-        kv = self.ffn_kv_proj(ffn_input).view(batch, tokens, -1, 2, self.head_dim)
-        key, value = kv.unbind(dim=3)  # (B, T, Hkv, d) each
+        key, value = self.ffn_kv_proj(ffn_input).view(batch, tokens, -1, 2, self.head_dim).unbind(dim=3)
         return rotate_depth_key(key.transpose(1, 2), depth_rope), value.transpose(1, 2)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -330,37 +249,24 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        depth_stream: DepthStream | None = None,
+        op_backend: str | None = None,
         depth_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, ...]:
-        """One block; with ``depth_stream`` it reads its depth window from and writes its entries to the stream.
-
-        ``depth_entries``: without a stream, every entry written so far, flat ``(*keys, *values)`` (M keys then
-        M values, each [B, Hkv, T, d]); positional, so that reentrant gradient checkpointing tracks their
-        gradients (it tracks only top-level positional inputs and outputs). Empty with a stream.
-        ``depth_rope``: :func:`depth_rotary` of ``position_embeddings``, built once per pass by the model (made
-        here when not given).
-        """
+        """One block. ``depth_entries``: this layer's window of depth entries, flat ``(*keys, *values)`` (M keys
+        then M values, each [B, Hkv, T, d]); positional, so that reentrant checkpointing tracks their gradients
+        (it tracks only top-level positional inputs and outputs). ``depth_rope``: :func:`depth_rotary` of
+        ``position_embeddings``, built once per pass by the model (here when not given)."""
         pre_norm = self.norm_position == "pre"
         residual = hidden_states
         if pre_norm:
             hidden_states = self.input_layernorm(hidden_states)
-        written = len(depth_entries) // 2
+        num_keys = len(depth_entries) // 2
         hidden_states, _, (attn_key, attn_value) = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            depth_keys=depth_entries[:written],
-            depth_values=depth_entries[written:],
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            depth_stream=depth_stream,
-            **kwargs,
+            hidden_states=hidden_states, attention_mask=attention_mask, depth_keys=depth_entries[:num_keys],
+            depth_values=depth_entries[num_keys:], position_ids=position_ids, cache=cache, use_cache=use_cache,
+            position_embeddings=position_embeddings, op_backend=op_backend, **kwargs,
         )
-        if depth_stream is not None and self.writes_depth:
-            depth_stream.write(self.depth_slot, attn_key, attn_value)
         hidden_states = residual + hidden_states
         if pre_norm:
             residual = hidden_states
@@ -373,41 +279,32 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
             hidden_states = self.post_feedforward_layernorm(hidden_states)
 
         if not self.writes_ffn_kv:
-            return hidden_states, attn_key, attn_value
+            return (hidden_states, attn_key, attn_value) if self.writes_depth else (hidden_states,)
         ffn_key, ffn_value = self.ffn_entry(ffn_input, depth_rope or depth_rotary(*position_embeddings))
-        if depth_stream is not None:
-            depth_stream.write(self.depth_slot + 1, ffn_key, ffn_value)
         return hidden_states, attn_key, ffn_key, attn_value, ffn_value
 
 
-class MoDAPreTrainedModel(PreTrainedModel):
-    """Weight initialisation and the transformers capabilities shared by MoDA models."""
+class MoDAPreTrainedModel(LlamaPreTrainedModel):
+    """Weight initialisation and the transformers capabilities shared by MoDA models (Llama's, except that
+    depth entries join the softmax: only our own op runs the attention, so no flash / flex attention, and
+    ``"eager"`` / ``"sdpa"`` select only the mask format, additive float or bool / None)."""
 
     config: MoDAConfig
     config_class = MoDAConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["MoDADecoderLayer"]
-    # Differs from Llama: depth entries join the softmax, so only our own op runs the attention;
-    # "eager" and "sdpa" select the mask format (additive float or bool / None).
     _supports_flash_attn = False
-    _supports_sdpa = True
     _supports_flex_attn = False
     _supports_attention_backend = False
-    _can_compile_fullgraph = False
-    _can_record_outputs = {
-        "hidden_states": MoDADecoderLayer,
-        "attentions": MoDAAttention,
-    }
+    _can_compile_fullgraph = True  # one-token StaticCache decoding compiles whole (tested)
+    _can_record_outputs = {"hidden_states": MoDADecoderLayer, "attentions": MoDAAttention}
 
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerPreTrainedModel.__init__ with DenseFormer->MoDA  # noqa: E501
     def __init__(self, config: MoDAConfig, *inputs, **kwargs):
         config.check_fields()  # a field changed after construction gets the construction error
         super().__init__(config, *inputs, **kwargs)
 
 
 class MoDAModel(MoDAPreTrainedModel):
-    """The MoDA decoder stack: embeddings, MoDA blocks sharing one per-token depth stream, final norm.
+    """The MoDA decoder stack: embeddings, MoDA blocks reading the per-token depth entries, final norm.
 
     Returns ``BaseModelOutputWithPast`` whose ``last_hidden_state`` is [B, T, D]. With
     ``output_attentions=True`` each layer's ``attentions`` entry is the joint softmax
@@ -427,15 +324,12 @@ class MoDAModel(MoDAPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerModel.get_input_embeddings
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerModel.set_input_embeddings
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerModel.forward
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
@@ -458,94 +352,37 @@ class MoDAModel(MoDAPreTrainedModel):
             cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
             use_cache: build a ``DynamicCache`` when none is given.
         """
-        inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
+        hidden_states, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
             self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
-        hidden_states = self.run_layers(
-            inputs_embeds, causal_mask, position_embeddings, position_ids, cache, use_cache, **kwargs
-        )
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
-
-    def run_layers(self, hidden_states: torch.Tensor, causal_mask: torch.Tensor | None,
-                   position_embeddings: tuple[torch.Tensor, torch.Tensor], position_ids: torch.LongTensor,
-                   cache: Cache | None, use_cache: bool | None, **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
-        """The MoDA blocks over one depth stream: embeddings [B, T, D] -> [B, T, D] (before the final norm)."""
-        kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
-
-        # Differs from Llama: the per-token depth stream, rebuilt for the processed tokens on every call.
-        layers = self.layers[: self.config.num_hidden_layers]
         tokens = hidden_states.shape[1]
         if causal_mask is None and cache is not None and tokens > 1 and cache.get_mask_sizes(tokens, 0)[0] != tokens:
             # transformers leaves the mask out for a prefill into an empty fixed-size cache (StaticCache): SDPA's
-            # top-left causal alignment over all max_cache_len keys. moda_attention aligns a missing mask bottom-right
-            # (the queries are the last T of the S keys), so this pass needs the mask written out.
+            # top-left causal alignment over all max_cache_len keys. moda_attention aligns a missing mask
+            # bottom-right (the queries are the last T of the S keys), so this pass needs the mask written out.
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=None,
                                              cache=cache, position_ids=position_ids, allow_is_causal_skip=False)
-        stream = self.depth_stream(hidden_states, causal_mask)
+        kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
+        # Differs from Llama: the op's backend, once per pass, and the depth entries written so far (per token).
+        backend = resolve_backend(None, hidden_states.device, self.config.op_backend)
         depth_rope = depth_rotary(*position_embeddings) if self.config.moda_ffn_kv else None
-        # Fallback: the entries go to the layers as positional tensors and come back flat, so that reentrant
-        # checkpointing (which tracks only top-level tensors) passes their gradients.
-        depth_keys: tuple[torch.Tensor, ...] = ()
-        depth_values: tuple[torch.Tensor, ...] = ()
-        for decoder_layer in layers:
-            hidden_states, *new_entries = decoder_layer(
-                hidden_states,
-                *depth_keys,
-                *depth_values,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-                depth_stream=stream,
-                depth_rope=depth_rope,
-                **kwargs,
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            start, stop = decoder_layer.depth_window
+            hidden_states, *written = decoder_layer(
+                hidden_states, *keys[start:stop], *values[start:stop], attention_mask=causal_mask,
+                position_embeddings=position_embeddings, position_ids=position_ids, cache=cache, use_cache=use_cache,
+                op_backend=backend, depth_rope=depth_rope, **kwargs,
             )
-            if stream is None:
-                written = len(new_entries) // 2
-                depth_keys = (*depth_keys, *new_entries[:written])
-                depth_values = (*depth_values, *new_entries[written:])
-        if stream is not None:
-            stream.close()
-        return hidden_states
-
-    def uses_depth_stream(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, backend: str) -> bool:
-        """Whether this forward pass runs on a :class:`DepthStream` (else the tuple-and-stack fallback).
-
-        Without gradients: always. With gradients: when the stream's autograd path applies
-        (``moda_saving_supported``: the CPU flash path or Triton, a mask without gradient, no dispatch
-        mode) and no layer is gradient-checkpointed (a recomputed layer would write the buffer again), and not
-        while ``torch.compile`` traces the model (the stream's Functions keep per-pass state on the stream
-        object, which dynamo cannot capture).
-        """
-        if not torch.is_grad_enabled():
-            return True
-        if torch.compiler.is_compiling():
-            return False
-        checkpointed = any(layer.gradient_checkpointing and layer.training for layer in self.layers)
-        return not checkpointed and moda_saving_supported(hidden_states, attention_mask, backend)
-
-    def depth_stream(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> DepthStream | None:
-        """A :class:`DepthStream` for this pass (the backend resolved once, here), or None for the fallback.
-
-        Args:
-            hidden_states: [B, T, D] the embedded inputs; attention_mask: the mask the layers receive.
-        """
-        backend = resolve_backend(None, hidden_states.device)
-        probe = hidden_states.unsqueeze(1)  # a 4-d stand-in for the queries: only device, dtype and T matter
-        if not self.uses_depth_stream(probe, attention_mask, backend):
-            return None
-        capacity = (self.config.num_hidden_layers - 1) * (2 if self.config.moda_ffn_kv else 1)
-        return DepthStream(capacity, self.config.num_hidden_layers, backend, track_grad=torch.is_grad_enabled())
+            keys += written[: len(written) // 2]
+            values += written[len(written) // 2:]
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
     @torch.no_grad()
-    def depth_attention_share(
-        self,
-        input_ids: torch.LongTensor,
-        attention_mask: torch.Tensor | None = None,
-        per_head: bool = False,
-    ) -> torch.Tensor:
+    def depth_attention_share(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                              per_head: bool = False) -> torch.Tensor:
         """Share of attention mass on depth entries, per layer: the paper's attention-sink analysis.
 
         Args:
@@ -568,8 +405,11 @@ class MoDAModel(MoDAPreTrainedModel):
         return torch.stack(shares)
 
 
-class MoDAForCausalLM(MoDAPreTrainedModel, GenerationMixin):
+class MoDAForCausalLM(MoDAPreTrainedModel, LlamaForCausalLM):
     """MoDA with a language-modelling head; works with ``generate()`` and the ordinary ``DynamicCache``.
+
+    ``forward``, the embedding accessors and the tied-weight, tensor- and pipeline-parallel plans are
+    ``LlamaForCausalLM``'s.
 
     Example:
         >>> from depthfusion_hf import MoDAConfig, MoDAForCausalLM
@@ -579,77 +419,20 @@ class MoDAForCausalLM(MoDAPreTrainedModel, GenerationMixin):
         torch.Size([4])
     """
 
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
-    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
-
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.__init__ with DenseFormer->MoDA  # noqa: E501
     def __init__(self, config: MoDAConfig):
-        super().__init__(config)
+        # Past LlamaForCausalLM.__init__ (which builds a LlamaModel) to the pretrained-model base; the config is
+        # checked by MoDAModel's (MoDAPreTrainedModel's) __init__.
+        super(LlamaForCausalLM, self).__init__(config)
         self.model = MoDAModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.get_input_embeddings
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.set_input_embeddings
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.get_output_embeddings
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.set_output_embeddings
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
 
     def depth_attention_share(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, per_head: bool = False
     ) -> torch.Tensor:
         """Per-layer share of attention mass on depth entries, [L] or [L, Hq] (``MoDAModel.depth_attention_share``)."""
         return self.model.depth_attention_share(input_ids, attention_mask=attention_mask, per_head=per_head)
-
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerForCausalLM.forward
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
-        """Next-token logits [B, T, V] (and the shifted cross-entropy loss when ``labels`` [B, T] are given)."""
-        outputs: BaseModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
 
 
 __all__ = ["MoDAForCausalLM", "MoDAModel", "MoDAPreTrainedModel", "MoDADecoderLayer", "MoDAAttention"]
