@@ -7,8 +7,8 @@
 # Set-up: the wheels in $WHEELHOUSE (default .whl/, made by scripts/build_wheelhouse.sh: transformers 5.24 and what
 # the machine lacks, never torch or triton) are installed offline into a fresh folder (pip --no-index --no-deps
 # --target) that goes first on PYTHONPATH, with this checkout's src/; the machine's own CUDA torch and Triton stay.
-# Then scripts/gpu_check.py runs the steps (env, aot, ops, models, decode, speed), most important first, each in
-# its own process under its own time limit, within $GPU_CHECK_BUDGET seconds (default 420).
+# Then scripts/gpu_check.py runs the steps (env, aot, ops, cuda_tests, models, decode, speed), most important first,
+# each in its own process under its own time limit, within $GPU_CHECK_BUDGET seconds (default 420).
 # $PYTHON picks the interpreter (default python3, the H200 machine's CUDA one).
 # Exit status: 0 when every step passed, 1 when one did not, 2 without a CUDA device (only `env` runs).
 set -uo pipefail

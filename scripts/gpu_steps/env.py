@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, Result, step_main  # noqa: E402
 
 DISTRIBUTIONS = ("torch", "triton", "transformers", "huggingface_hub", "tokenizers", "safetensors", "accelerate",
-                 "numpy", "peft", "regex", "flash_attn", "matplotlib")
+                 "numpy", "peft", "regex", "flash_attn", "matplotlib", "pytest")
 
 
 def _version(name: str) -> str | None:

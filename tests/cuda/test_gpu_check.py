@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib
 import json
 import os
 import subprocess
@@ -82,7 +83,7 @@ def test_gpu_check_reaches_no_cuda_device_with_a_well_formed_result(tmp_path):
     assert f"wheel {FAKE} 0.0.1 is the one imported" in names, names
     assert all(check["ok"] for check in env["checks"]), [c for c in env["checks"] if not c["ok"]]
     others = {name: step for name, step in report["steps"].items() if name != "env"}
-    assert set(others) == {"aot", "ops", "models", "decode", "speed"}
+    assert set(others) == {"aot", "ops", "cuda_tests", "models", "decode", "speed"}
     assert all(step == {"status": "skipped", "reason": "no CUDA device"} for step in others.values()), others
     assert "result: no CUDA device" in output
     print(f"gpu_check.sh without CUDA: {seconds:.1f} s")
@@ -113,3 +114,55 @@ def test_cuda_steps_code_runs_at_toy_shapes_on_the_cpu(tmp_path):
         assert not own, (name, own)
     print(json.dumps({name: [c["name"] for c in step["checks"] if not c["ok"]] for name, step in steps.items()},
                      indent=1))
+    # decode: Llama and DenseFormer (which claims _can_compile_fullgraph) decoded compiled, checked and timed
+    decode = {m["name"].split(":")[0]: m for m in steps["decode"]["measurements"]}
+    assert set(decode) == {"llama", "denseformer", "moda", "attnres-block", "attnres-full", "mhc"}, decode
+    for variant in ("llama", "denseformer"):
+        assert decode[variant]["supported"] is True and decode[variant]["compiled_tokens_per_s"] > 0, decode[variant]
+        logits = [c for c in steps["decode"]["checks"] if c["name"].startswith(f"{variant}: compiled static-cache")]
+        assert len(logits) == 1 and logits[0]["ok"], logits
+    assert decode["denseformer"]["compiled_x_llama"] > 0
+
+
+def _load_step(name: str):
+    sys.path.insert(0, str(REPO / "scripts" / "gpu_steps"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "scripts" / "gpu_steps"))
+
+
+def test_cuda_tests_step_reads_each_outcome_from_pytest_junit(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.kernels.test_dwa_cuda" name="test_a" time="0.5"/>'
+        '<testcase classname="tests.kernels.test_dwa_cuda" name="test_b" time="0.1">'
+        '<failure message="assert 1 == 2">trace</failure></testcase>'
+        '<testcase classname="tests.kernels.test_dwa_cuda" name="test_c" time="0">'
+        '<skipped message="needs two CUDA devices"/></testcase>'
+        '<testcase classname="tests.cuda.test_x" name="test_d" time="0"><error message="fixture"/></testcase>'
+        "</testsuite></testsuites>")
+    step = _load_step("cuda_tests")
+    cases = {c["test"].split("::")[1]: c for c in step.outcomes(junit)}
+    assert {n: c["outcome"] for n, c in cases.items()} == {"test_a": "passed", "test_b": "failed",
+                                                           "test_c": "skipped", "test_d": "error"}
+    assert cases["test_b"]["message"] == "assert 1 == 2\ntrace"
+    assert cases["test_c"]["message"] == "needs two CUDA devices"
+    files = [str(f) for f in step.cuda_test_files()]
+    assert "tests/kernels/test_dwa_cuda.py" in files and "tests/cuda/test_token_inputs_cuda.py" in files, files
+
+
+@pytest.mark.integration
+def test_cuda_tests_step_without_cuda_records_each_file_skipped(tmp_path):
+    """On the CPU every CUDA-only file skips itself (named on pytest's command line, as the step names them)."""
+    result = tmp_path / "cuda_tests.json"
+    env = _env(GPU_CHECK_DEVICE="cpu", PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]))
+    proc = subprocess.run([sys.executable, "scripts/gpu_steps/cuda_tests.py", "--result", str(result), "--work",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(result.read_text())
+    assert data["notes"]["files"] == [str(f) for f in _load_step("cuda_tests").cuda_test_files()]
+    outcomes = {c["name"]: c.get("outcome") for c in data["checks"]}
+    assert all(c["ok"] for c in data["checks"]), data["checks"]
+    assert [o for o in outcomes.values() if o is not None] == ["skipped"] * len(data["notes"]["files"]), outcomes
