@@ -483,7 +483,8 @@ def _block_sizes(T: int, G: int, D: int, block_t: int | None, block_s: int | Non
 
     Rows per program = BLOCK_T * G_PAD (>= 16 for ``tl.dot``): 64 in the forward for d <= 64, else 32; 32 in the
     backward (more live tiles), 16 for d > 128; KV blocks of as many keys (at least 16); 8 warps from d = 128 on and
-    in the backward: no bf16 / fp16 kernel spills registers on sm_80 or sm_90 for d = 64, 128, 256 (compiled ahead
+    in the backward, 4 there for d > 128 (at 8 a thread is capped at 128 registers: 12 B of spills at d = 256,
+    sm_80): no bf16 / fp16 kernel spills registers on sm_80 or sm_90 for d = 64, 128, 256 (compiled ahead
     of time, docs/MODA.md). ``ieee`` (IEEE fp32 dots, on the CUDA cores): 16 rows, 4 warps. ``DEPTH_DOT``:
     tensor-core dots over the depth chunk (keeping 1 / BLOCK_T of the products) when BLOCK_T <= 16, per-entry row
     dots otherwise (the FLOP break-even; not a measured tuning).
@@ -500,7 +501,7 @@ def _block_sizes(T: int, G: int, D: int, block_t: int | None, block_s: int | Non
     return {
         "BLOCK_T": block_t, "G_PAD": g_pad, "BLOCK_S": block_s, "BLOCK_DM": block_s, "BLOCK_D": max(_next_pow2(D), 16),
         "DEPTH_DOT": bool(block_t <= 16 if depth_dot is None else depth_dot),
-    }, 4 if ieee else 8 if backward or D >= 128 else 4
+    }, 4 if ieee or backward and D > 128 else 8 if backward or D >= 128 else 4
 
 
 def launch_grid(num_blocks: int, batch_heads: int) -> tuple[int]:
