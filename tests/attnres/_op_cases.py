@@ -80,10 +80,7 @@ def make_grads(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str
 
 
 def compute_dtype(query, sources, weight) -> torch.dtype:
-    """The op's compute dtype (the autocast dtype under autocast, else the promoted dtype of the inputs)."""
-    device = sources[0].device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
+    """The op's compute dtype: the promoted dtype of the inputs (also under autocast)."""
     return functools.reduce(torch.promote_types, [query.dtype, weight.dtype, *(x.dtype for x in sources)])
 
 
@@ -101,7 +98,7 @@ def run_op(query, sources, weight, grad_h, grad_alpha, backend, **kwargs):
 
 
 def truth(query, sources, weight, grad_h, grad_alpha, eps: float = 1e-6):
-    """The reference evaluated in float64 on the same inputs, rounded to the compute dtype as the op rounds them:
+    """The reference evaluated in float64 on the same inputs (each converts to the compute dtype exactly):
     ``(h, alpha, grads)``."""
     dtype = compute_dtype(query, sources, weight)
     q = query.detach().to(dtype).double().requires_grad_()

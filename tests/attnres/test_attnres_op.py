@@ -219,20 +219,26 @@ def test_float64_stays_float64(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_autocast_computes_in_the_autocast_dtype(backend, dtype):
-    """Under CPU autocast the compute dtype is the autocast dtype (like SDPA): fp32 inputs, and an fp32 embedding
-    beside half-precision outputs (what a model gives), are cast to it; h comes back in it, gradients in the
-    inputs' own dtypes, each equal to the float64 reference on the rounded inputs."""
+@pytest.mark.parametrize("sources_dtype", ["fp32", "embedding-fp32", "half"])
+def test_autocast_keeps_the_promoted_dtype(backend, dtype, sources_dtype):
+    """Under CPU autocast the compute dtype stays the promoted dtype of the inputs, as DenseFormer's DWA and a
+    Llama's residual sum (``x + f(x)`` stays fp32 under bf16 autocast): an fp32 embedding beside half-precision
+    outputs (what a model gives), all-fp32 or all-half sources with fp32 parameters give fp32, bit for bit what the
+    call gives without autocast, each source read in its own dtype (before: every input was cast to the autocast
+    dtype and h came back in it); gradients in the inputs' own dtypes, equal to the float64 reference."""
     shape = (2, 5, 16, 4)
     query, sources, weight = make_inputs(shape, torch.float32)
-    sources = [sources[0]] + [x.detach().to(dtype).requires_grad_() for x in sources[1:]]
-    grad_h, grad_alpha = make_grads(shape, dtype)
+    half = {"fp32": [], "embedding-fp32": [1, 2, 3], "half": [0, 1, 2, 3]}[sources_dtype]
+    sources = [x.detach().to(dtype).requires_grad_() if i in half else x for i, x in enumerate(sources)]
+    grad_h, grad_alpha = make_grads(shape, torch.float32)
+    want = attention_residual(query, sources, weight, return_weights=True, backend=backend)
     with torch.autocast("cpu", dtype=dtype):
-        h = attention_residual(query, sources, weight, backend=backend)
-        assert h.dtype == dtype
+        h, alpha = attention_residual(query, sources, weight, return_weights=True, backend=backend)
+        assert h.dtype == alpha.dtype == torch.float32
+        assert torch.equal(h, want[0]) and torch.equal(alpha, want[1])
         check_run(query, sources, weight, grad_h, grad_alpha, backend)
     grads = torch.autograd.grad(h, [query, *sources], grad_h)
-    assert [g.dtype for g in grads] == [torch.float32, torch.float32] + [dtype] * 3
+    assert [g.dtype for g in grads] == [torch.float32] + [x.dtype for x in sources]
 
 
 @pytest.mark.parametrize(("source_dtype", "param_dtype", "expected"), [
@@ -350,7 +356,7 @@ def test_kernel_rejects_cpu_tensors_without_interpreter():
         pytest.skip("Triton does not import here")
     query, sources, weight = make_inputs((1, 2, 4, 2), torch.float32)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        attnres_triton.triton_attention_residual(query, sources, weight, 1e-6)
+        attnres_triton.triton_attention_residual(query, sources, weight, 1e-6, torch.float32)
 
 
 # ---------------------------------------------------------------- bad inputs

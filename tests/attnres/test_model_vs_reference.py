@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthfusion_hf.models.attnres import AttnResForCausalLM
+from depthfusion_hf.models.attnres import AttnResForCausalLM, AttnResMix
 
 from .helpers import randomise_attnres, set_small_numel, tiny_config
 
@@ -183,13 +183,24 @@ def test_calls_in_another_dtype_than_the_model(model_dtype, call_dtype, monkeypa
     assert (first["torch"] - first["reference"]).abs().max() <= 64 * torch.finfo(model_dtype).eps
 
 
+def record_mix_dtypes(model) -> list[torch.dtype]:
+    """The dtype of every AttnRes call's output (the residual stream) from now on."""
+    seen = []
+    for module in model.modules():
+        if isinstance(module, AttnResMix):
+            module.register_forward_hook(lambda mod, args, out: seen.append(out[0].dtype))
+    return seen
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("forward", ["stacked", "list"])
-def test_training_under_cpu_autocast(dtype, forward, monkeypatch):
+@pytest.mark.parametrize("block_size", [None, 3], ids=["full", "block3"])
+def test_training_under_cpu_autocast(dtype, forward, block_size, monkeypatch):
     """A training step under CPU autocast (half-precision sub-layer outputs beside the float32 embedding and
-    parameters: the op computes in the autocast dtype, as the reference does): the torch backend's loss and every
-    gradient equal the reference backend's to the half type's rounding, and both are as close to the float64
-    model (the same function without autocast)."""
+    parameters): the op computes in the promoted dtype, fp32, so the residual stream (every call's output) stays
+    fp32 as a Llama's does (before: it was rounded to the autocast dtype at every call); the torch backend's loss
+    and every gradient equal the reference backend's to the half type's rounding, and both are as close to the
+    float64 model (the same function without autocast)."""
     if forward == "list":
         set_small_numel(monkeypatch, -1)
     ids = ids_of((2, 6))
@@ -203,12 +214,14 @@ def test_training_under_cpu_autocast(dtype, forward, monkeypatch):
         loss.backward()
         return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
 
-    model = make_model(3, torch.float32).train()
+    model = make_model(block_size, torch.float32).train()
+    mixed = record_mix_dtypes(model)
     results = {}
     for backend in ("torch", "reference"):
         monkeypatch.setenv("DEPTHFUSION_BACKEND", backend)
         results[backend] = loss_and_grads(model, True)
-    _, truth = loss_and_grads(make_model(3, torch.float64).train(), False)
+    assert len(mixed) == 2 * 2 * model.config.num_hidden_layers and set(mixed) == {torch.float32}
+    _, truth = loss_and_grads(make_model(block_size, torch.float64).train(), False)
     eps = torch.finfo(dtype).eps
     (loss, grads), (ref_loss, ref_grads) = results["torch"], results["reference"]
     assert abs(loss - ref_loss) <= 16 * eps * abs(ref_loss)
@@ -218,10 +231,13 @@ def test_training_under_cpu_autocast(dtype, forward, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_generate_under_cpu_autocast(dtype, monkeypatch):
-    """Cached ``generate`` under CPU autocast (the fp32 embedding and half-precision outputs cast to the autocast
-    dtype at each call): the reference backend's tokens, and per-step scores to the half type's rounding."""
-    model = make_model(3, torch.float32)
+@pytest.mark.parametrize("block_size", [None, 3], ids=["full", "block3"])
+def test_generate_under_cpu_autocast(dtype, block_size, monkeypatch):
+    """Cached ``generate`` under CPU autocast (an fp32 embedding and half-precision outputs, each read in its own
+    dtype; every call computes and returns fp32): the reference backend's tokens, and per-step scores to the half
+    type's rounding."""
+    model = make_model(block_size, torch.float32)
+    mixed = record_mix_dtypes(model)
     ids = ids_of((2, 5))
     out = {}
     for backend in ("torch", "reference"):
@@ -230,5 +246,6 @@ def test_generate_under_cpu_autocast(dtype, monkeypatch):
             out[backend] = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
                                           output_scores=True, return_dict_in_generate=True)
     assert torch.equal(out["torch"].sequences, out["reference"].sequences)
+    assert mixed and set(mixed) == {torch.float32}
     for got, want in zip(out["torch"].scores, out["reference"].scores):
         assert (got - want).abs().max() <= 8 * torch.finfo(dtype).eps * want.abs().max()

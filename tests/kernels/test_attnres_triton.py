@@ -152,10 +152,10 @@ def test_float64_is_routed_to_torch_and_kernel_rejects_it():
     assert h.dtype == torch.float64 and alpha.dtype == torch.float64
     assert_scaled_close(h, h64, torch.float64, 64, "h")
     with pytest.raises(ValueError, match="Triton attention_residual computes in fp32"):
-        attnres_triton.triton_attention_residual(query, sources, weight, 1e-6)
-    with pytest.raises(ValueError, match="needs sources of one dtype"):  # the kernel reads every pointer as one
-        attnres_triton.triton_attention_residual(query.float(), [sources[0].float(), sources[1].bfloat16()],
-                                                 weight.float(), 1e-6)
+        attnres_triton.triton_attention_residual(query, sources, weight, 1e-6, torch.float64)
+    with pytest.raises(ValueError, match="Triton attention_residual computes in fp32"):  # a float64 source
+        attnres_triton.triton_attention_residual(query.float(), [sources[0].float(), sources[1]], weight.float(),
+                                                 1e-6, torch.float32)
 
 
 @pytest.mark.parametrize("batch,seq", [(0, 4), (2, 0)])
@@ -221,24 +221,41 @@ def test_launches_take_the_sources_as_pointer_arguments(monkeypatch):
     assert names.count("attnres_grads_kernel") == 4
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_autocast_mixed_source_dtypes(dtype):
+def test_mixed_source_dtypes_are_read_each_in_its_own(monkeypatch, dtype, autocast):
     """Under autocast a model's sources are an fp32 embedding followed by half-precision outputs. The launcher
     checked ``sources[0]`` only and the kernel read every pointer as that dtype (bf16 buffers read as fp32, out of
-    bounds: silently wrong on CUDA). The op now casts every input to the compute dtype (the autocast dtype) first:
-    the kernel sees one dtype, and the result is the float64 reference on the rounded inputs."""
-    shape = (2, 9, 24, 4)
+    bounds: silently wrong on CUDA); then every input was cast to the autocast dtype, rounding the fp32 residual
+    stream. Now the compute dtype is the promoted one (fp32), and each pointer argument has its source's own dtype:
+    the launches get the caller's fp32 and half tensors (no cast copies), h comes back in fp32, and values and
+    gradients are the float64 reference on the unrounded inputs (a bf16 rounding of the fp32 embedding would
+    exceed the fp32 tolerance); each source's gradient is in its own dtype. 11 sources: two chained launches, the
+    second starting at a half-precision source."""
+    launches = record_launches(monkeypatch)
+    shape = (2, 9, 24, 11)
     query, sources, weight = make_inputs(shape, torch.float32, DEVICE)
     sources = [sources[0]] + [x.detach().to(dtype).requires_grad_() for x in sources[1:]]
-    grad_h, grad_alpha = make_grads(shape, dtype, DEVICE)
-    with torch.autocast(DEVICE, dtype=dtype):
+    grad_h, grad_alpha = make_grads(shape, torch.float32, DEVICE)
+    with torch.autocast(DEVICE, dtype=dtype, enabled=autocast):
+        h = attention_residual(query, sources, weight, backend="triton")
+        assert h.dtype == torch.float32
         check_run(query, sources, weight, grad_h, grad_alpha, "triton")
+    for name, args in launches:
+        pointers = {a.data_ptr(): a.dtype for a in args if isinstance(a, torch.Tensor)}
+        for x in sources:
+            if x.data_ptr() in pointers:
+                assert pointers[x.data_ptr()] == x.dtype, name
+    read = {a.data_ptr() for name, args in launches if name == "attnres_fwd_kernel" for a in args[:8]}
+    assert {x.data_ptr() for x in sources} <= read  # every source reached the kernel as the caller's tensor
+    grads = torch.autograd.grad(attention_residual(query, sources, weight, backend="triton"), sources, grad_h)
+    assert [g.dtype for g in grads] == [x.dtype for x in sources]
 
 
 def test_model_training_under_autocast_on_triton_matches_torch(monkeypatch):
     """The same through the model (what ``Trainer(bf16=True)`` runs): a bf16-autocast training step on the Triton
     backend gives the torch backend's loss and gradients to bf16 rounding (before: the kernel read the bf16
-    outputs as fp32)."""
+    outputs as fp32), and the residual stream (every AttnRes call's output) stays fp32."""
     from depthfusion_hf.models.attnres import AttnResForCausalLM
     from tests.attnres.helpers import randomise_attnres, tiny_config
 
@@ -246,7 +263,10 @@ def test_model_training_under_autocast_on_triton_matches_torch(monkeypatch):
     model = AttnResForCausalLM(tiny_config(attnres_block_size=3)).to(DEVICE).train()
     randomise_attnres(model)
     ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    results = {}
+    results, mixed = {}, []
+    for module in model.modules():
+        if type(module).__name__ == "AttnResMix":
+            module.register_forward_hook(lambda mod, args, out: mixed.append(out[0].dtype))
     for backend in ("triton", "torch"):
         monkeypatch.setenv("DEPTHFUSION_BACKEND", backend)
         model.zero_grad(set_to_none=True)
@@ -259,6 +279,7 @@ def test_model_training_under_autocast_on_triton_matches_torch(monkeypatch):
     assert abs(loss - want_loss) <= 16 * eps * abs(want_loss)
     for name, g in want_grads.items():
         assert (grads[name] - g).norm() <= 32 * eps * g.norm(), name
+    assert mixed and set(mixed) == {torch.float32}
 
 
 def test_launches_run_under_the_tensors_device():

@@ -21,17 +21,20 @@ reference     :func:`attnres_reference`: the loop over sources,     any floating
 torch         :class:`AttnResFunction`: one custom autograd          any floating           yes (exact)
               Function over the *list* of sources (the formulas
               above; saves references and three [B, T, N] tensors)
-triton        ``attnres_triton.py``: fused kernels, CUDA tensors     fp32, bf16, fp16;      RuntimeError
-              (CPU under ``TRITON_INTERPRET=1``)                     D <= its ``MAX_DIM``
+triton        ``attnres_triton.py``: fused kernels, CUDA tensors     fp32, bf16, fp16 (any   RuntimeError
+              (CPU under ``TRITON_INTERPRET=1``)                     mix); D <= ``MAX_DIM``
 ============  ====================================================  =====================  ===============
 
 Work the kernel cannot compute (a float64 compute dtype, D past ``MAX_DIM``) asked of Triton runs on torch. fp32
 on CUDA stays on the kernel (elementwise fp32 FMAs and row sums: no tensor-core matmul, so TF32 never applies).
 
-**Compute dtype**, one for every backend: under autocast on the tensors' device the autocast dtype (like SDPA),
-else the promoted dtype of the inputs (query, key-norm weight, sources). Every input is cast to it (an fp32
-embedding beside bf16 outputs under autocast reaches the implementation as bf16); the implementations accumulate
-in fp32 (float64 stays float64) with autocast off, and return h in the compute dtype, alpha in fp32 (float64).
+**Compute dtype** (:func:`compute_dtype`), one for every backend: the promoted dtype of the floating inputs
+(query, key-norm weight, sources), also under autocast, as DenseFormer's DWA. The op is the residual stream's
+mix: autocast lowers matmuls, not sums, and a Llama's residual ``x + f(x)`` stays fp32 under bf16 autocast (an
+fp32 embedding plus bf16 sub-layer outputs), so an AttnRes model's does too. Nothing is cast for it: every
+implementation reads each source in its own dtype (under autocast an fp32 embedding is followed by bf16 outputs),
+accumulates in fp32 (float64 for float64) with autocast off, and returns h in the compute dtype, alpha in fp32
+(float64); a source's gradient is rounded once to that source's dtype.
 
 This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next to the
 model code by ``save_pretrained`` for ``trust_remote_code`` loading.
@@ -178,17 +181,30 @@ def _check_one_by_one(query, sources, key_norm_weight, eps, return_weights) -> s
     return {x.dtype for x in (query, key_norm_weight, *sources)}
 
 
-def attnres_reference(query, sources, key_norm_weight, eps):
+def compute_dtype(dtypes: set[torch.dtype]) -> torch.dtype:
+    """The op's one compute (and output) dtype, for every backend: the promoted dtype of its inputs' ``dtypes``
+    (autocast does not lower it: see the module docstring)."""
+    return functools.reduce(torch.promote_types, dtypes)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for the half types and fp32, float64 for float64: every input converts to it exactly."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def attnres_reference(query, sources, key_norm_weight, eps, dtype=None):
     """The paper's formula, a loop over the sources (query [D], N sources [B, T, D], key_norm_weight [D]) in the
-    accumulation dtype; autograd differentiates it. Returns ``(h [B, T, D] in the sources' dtype, alpha [B, T, N])``.
+    accumulation dtype; autograd differentiates it. Returns ``(h [B, T, D] in dtype (default: the promoted dtype of
+    the inputs), alpha [B, T, N] in the accumulation dtype)``.
     """
-    acc = torch.promote_types(sources[0].dtype, torch.float32)  # the accumulation dtype: fp32 or float64
+    dtype = dtype or compute_dtype({query.dtype, key_norm_weight.dtype, *(v.dtype for v in sources)})
+    acc = accumulation_dtype(dtype)
     w, g = query.to(acc), key_norm_weight.to(acc)
     xs = [v.to(acc) for v in sources]
     logits = [(g * x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * w).sum(dim=-1) for x in xs]
     alpha = torch.softmax(torch.stack(logits, dim=-1), dim=-1)
     h = sum(alpha[..., i : i + 1] * x for i, x in enumerate(xs))
-    return h.to(sources[0].dtype), alpha
+    return h.to(dtype), alpha
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
@@ -197,29 +213,33 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor | None) -> t
     return torch.linalg.vecdot(a, b) if scratch is None else torch.mul(a, b, out=scratch).sum(dim=-1)
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _scores(u, sources, eps, scratch=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``p``, ``r`` [B, T, N] in u's dtype (module docstring): one dot product and one norm per source."""
+    """``p``, ``r`` [B, T, N] in u's dtype (module docstring): one dot product and one norm per source, each source
+    read in its own dtype (into ``scratch``; cast to u's dtype for autograd)."""
     dots, norms = [], []
-    for x in sources if sources[0].dtype == u.dtype else (v.to(u.dtype) for v in sources):
-        dots.append(_rowdot(x, u, scratch))
-        norms.append(torch.linalg.vector_norm(x, dim=-1))
+    for v in sources:
+        dots.append(_rowdot(v if scratch is not None else _as(v, u.dtype), u, scratch))
+        norms.append(torch.linalg.vector_norm(v, dim=-1, dtype=u.dtype))
     return torch.stack(dots, dim=-1), torch.rsqrt(torch.stack(norms, dim=-1).square() / u.shape[0] + eps)
 
 
-def attnres_torch_forward(query, sources, key_norm_weight, eps):
-    """The torch backend's forward: ``(h, alpha, p, r)``, h [B, T, D] in the sources' dtype, the rest [B, T, N]
-    in the accumulation dtype. Sources of at most ``SMALL_NUMEL`` elements (cached decoding: a few KB) are
-    stacked into a transient [B, T, N, D] buffer and computed in a few operators whatever N; larger ones
-    (training) in a loop over the list, a few operators per source."""
-    dtype = sources[0].dtype
-    acc = torch.promote_types(dtype, torch.float32)
-    u = query * key_norm_weight if dtype == acc else query.to(acc) * key_norm_weight.to(acc)
+def attnres_torch_forward(query, sources, key_norm_weight, eps, dtype):
+    """The torch backend's forward: ``(h, alpha, p, r)``, h [B, T, D] in the compute dtype ``dtype``, the rest
+    [B, T, N] in the accumulation dtype. Sources of at most ``SMALL_NUMEL`` elements (cached decoding: a few KB)
+    are stacked into a transient [B, T, N, D] buffer and computed in a few operators whatever N; larger ones
+    (training) in a loop over the list, a few operators per source, each read in its own dtype."""
+    acc = accumulation_dtype(dtype)
+    u = _as(query, acc) * _as(key_norm_weight, acc)
     if sources[0].numel() <= SMALL_NUMEL:
-        x = torch.stack(sources, dim=-2) if dtype == acc else torch.stack(sources, dim=-2).to(acc)
+        x = _as(torch.stack(sources, dim=-2), acc)  # (stack promotes mixed dtypes)
         p, r = x @ u, torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps).rsqrt_()
         alpha = torch.softmax(p * r, dim=-1)
         h = torch.linalg.vecdot(alpha.unsqueeze(-1), x, dim=-2)
-        return (h if dtype == acc else h.to(dtype)), alpha, p, r
+        return _as(h, dtype), alpha, p, r
     h = torch.empty(sources[0].shape, dtype=acc, device=u.device)  # the product buffer of the scores, then h
     p, r = _scores(u, sources, eps, h)
     alpha = torch.softmax(p * r, dim=-1)
@@ -227,11 +247,12 @@ def attnres_torch_forward(query, sources, key_norm_weight, eps):
     torch.mul(sources[0], weights[0], out=h)
     for v, a in zip(sources[1:], weights[1:]):
         h.addcmul_(v, a)
-    return (h if dtype == acc else h.to(dtype)), alpha, p, r
+    return _as(h, dtype), alpha, p, r
 
 
 class AttnResFunction(torch.autograd.Function):
-    """The torch backend with autograd: inputs ``(query, key_norm_weight, eps, *sources)``, outputs ``(h, alpha)``.
+    """The torch backend with autograd: inputs ``(dtype, query, key_norm_weight, eps, *sources)`` (``dtype``: the
+    compute dtype), outputs ``(h, alpha)``.
 
     Forward: :func:`attnres_torch_forward` (without autograd recording, the dispatcher calls it directly).
     Saved: references to the inputs and ``p``, ``r``, ``alpha`` [B, T, N]. The backward is the formulas of the
@@ -241,8 +262,8 @@ class AttnResFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key_norm_weight, eps, *sources):  # noqa: D102
-        h, alpha, p, r = attnres_torch_forward(query, sources, key_norm_weight, eps)
+    def forward(ctx, dtype, query, key_norm_weight, eps, *sources):  # noqa: D102
+        h, alpha, p, r = attnres_torch_forward(query, sources, key_norm_weight, eps, dtype)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(query, key_norm_weight, p, r, alpha, *sources)
@@ -258,33 +279,32 @@ class AttnResFunction(torch.autograd.Function):
         if scratch is None:  # create_graph: p, r, alpha as differentiable functions of the inputs
             p, r = _scores(u, sources, ctx.eps)
             alpha = torch.softmax(p * r, dim=-1)
-        same = sources[0].dtype == acc  # else each source is cast to the accumulation dtype where it is read
-        dh = None if grad_h is None else grad_h.to(acc)
+        dh = None if grad_h is None else _as(grad_h, acc)
         d_alpha = torch.zeros_like(alpha) if dh is None else torch.stack(
-            [_rowdot(dh, v if same else v.to(acc), scratch) for v in sources], dim=-1)
+            [_rowdot(dh, _as(v, acc), scratch) for v in sources], dim=-1)
         if grad_alpha is not None:
             d_alpha = d_alpha + grad_alpha
         ds = alpha * (d_alpha - (alpha * d_alpha).sum(dim=-1, keepdim=True))
         b = ds * r
         e = b * p * r.square() / -shape[-1]
-        need_u = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_u = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         du = (torch.zeros(shape, dtype=acc, device=alpha.device) if scratch is None else scratch.zero_()) if need_u \
             else None  # [B, T, D]: summed over the sources here, over the tokens after the loop
         grads = []
         for i, (v, a_i, b_i, e_i) in enumerate(zip(sources, *(t.unsqueeze(-1).unbind(-2) for t in (alpha, b, e)))):
-            x = v if same else v.to(acc)
+            x = _as(v, acc)  # each source is cast to the accumulation dtype where it is read
             if need_u:
                 du.addcmul_(x, b_i)
-            if not ctx.needs_input_grad[3 + i]:
+            if not ctx.needs_input_grad[4 + i]:
                 grads.append(None)
                 continue
             dv = torch.mul(b_i, u).addcmul_(x, e_i)
             dv = dv if dh is None else dv.addcmul_(dh, a_i)
-            grads.append(dv if same else dv.to(v.dtype))
+            grads.append(_as(dv, v.dtype))
         du = du.reshape(-1, shape[-1]).sum(dim=0) if need_u else None
-        d_q = (du * g).to(query.dtype) if ctx.needs_input_grad[0] else None
-        d_g = (du * w).to(key_norm_weight.dtype) if ctx.needs_input_grad[1] else None
-        return (d_q, d_g, None, *grads)
+        d_q = (du * g).to(query.dtype) if ctx.needs_input_grad[1] else None
+        d_g = (du * w).to(key_norm_weight.dtype) if ctx.needs_input_grad[2] else None
+        return (None, d_q, d_g, None, *grads)
 
 
 def attention_residual(
@@ -303,45 +323,42 @@ def attention_residual(
 
     Args:
         query: [D], the pseudo-query ``w``. key_norm_weight: [D], the keys' RMSNorm weight ``g``.
-        sources: N >= 1 tensors [B, T, D] (a list or tuple; one shape and device; any floating dtypes and
-            strides), or one tensor [N, B, T, D].
+        sources: N >= 1 tensors [B, T, D] (a list or tuple; one shape and device; any floating dtypes, which
+            may differ from source to source, and any strides), or one tensor [N, B, T, D].
         eps: the RMSNorm epsilon (positive). return_weights: also return the softmax weights.
         backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` or None (:func:`resolve_backend`).
     Returns:
-        h [B, T, D] in the compute dtype; with ``return_weights`` also alpha [B, T, N] (float32, float64 for
-        float64 work), rows summing to 1.
+        h [B, T, D] in the compute dtype (the promoted dtype of the inputs, also under autocast); with
+        ``return_weights`` also alpha [B, T, N] (float32, float64 for float64 work), rows summing to 1.
     Raises:
         ValueError: an input that does not fit (naming the argument and the allowed values), or a backend
             unknown or unavailable.
     """
     if isinstance(sources, torch.Tensor) and sources.dim() == 4:
         sources = sources.unbind(0)
-    dtypes = check_attnres_inputs(query, sources, key_norm_weight, eps, return_weights)
+    dtype = compute_dtype(check_attnres_inputs(query, sources, key_norm_weight, eps, return_weights))
     device = sources[0].device.type
     autocast = (device in ("cpu", "cuda") or torch.amp.is_autocast_available(device)) and \
         torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else functools.reduce(torch.promote_types, dtypes)
-    if len(dtypes) > 1 or dtype not in dtypes:  # one compute dtype for every implementation
-        query, key_norm_weight, *sources = (x.to(dtype) for x in (query, key_norm_weight, *sources))
     choice = resolve_backend(backend, sources[0].device)
     if choice == "triton" and (dtype not in TRITON_DTYPES or sources[0].shape[-1] > TRITON_MAX_DIM):
         choice = "torch"
-    if autocast:  # the implementations compute in the compute dtype (accumulating in fp32) whatever autocast says
+    if autocast:  # the dtype is decided: autocast must not recast the implementations' products
         with torch.autocast(device, enabled=False):
-            h, alpha = _run(choice, query, sources, key_norm_weight, float(eps))
+            h, alpha = _run(choice, query, sources, key_norm_weight, float(eps), dtype)
     else:
-        h, alpha = _run(choice, query, sources, key_norm_weight, float(eps))
+        h, alpha = _run(choice, query, sources, key_norm_weight, float(eps), dtype)
     return (h, alpha) if return_weights else h
 
 
-def _run(backend: str, query, sources, key_norm_weight, eps: float):
+def _run(backend: str, query, sources, key_norm_weight, eps: float, dtype: torch.dtype):
     if backend == "reference":
-        return attnres_reference(query, sources, key_norm_weight, eps)
+        return attnres_reference(query, sources, key_norm_weight, eps, dtype)
     if backend == "triton":
-        return triton_attention_residual(query, list(sources), key_norm_weight, eps)
+        return triton_attention_residual(query, list(sources), key_norm_weight, eps, dtype)
     if torch.is_grad_enabled():
-        return AttnResFunction.apply(query, key_norm_weight, eps, *sources)
-    return attnres_torch_forward(query, sources, key_norm_weight, eps)[:2]  # nothing to record: no autograd node
+        return AttnResFunction.apply(dtype, query, key_norm_weight, eps, *sources)
+    return attnres_torch_forward(query, sources, key_norm_weight, eps, dtype)[:2]  # no autograd node to record
 
 
-__all__ = ["attention_residual", "attnres_reference", "check_attnres_inputs", "resolve_backend"]
+__all__ = ["attention_residual", "attnres_reference", "check_attnres_inputs", "compute_dtype", "resolve_backend"]

@@ -15,10 +15,12 @@ dynamo, and each pointer keeps its alignment specialisation (vector loads). Laun
   [programs, D] buffer summed in a fixed order: deterministic, no atomics).
 
 Traffic per token, in rows of D: forward ``N + 1`` (+ 2 per chained launch), backward ``3N + 2``. Offsets are
-64-bit (token index times D or N); grids are one-dimensional (axis 0: up to 2^31 - 1 programs). Every input is
-in one dtype (fp32, bf16 or fp16: the dispatcher casts to the compute dtype; the launcher checks); arithmetic is
-fp32 (elementwise FMAs and row sums: no tensor-core product, so TF32 never applies). The backward is
-first-order: under ``create_graph=True`` it raises a RuntimeError.
+64-bit (token index times D or N); grids are one-dimensional (axis 0: up to 2^31 - 1 programs). Each source is
+read in its own dtype (fp32, bf16 or fp16: each pointer argument is typed, so an fp32 embedding beside bf16
+outputs under autocast is read as fp32 and bf16 respectively), h and its gradient are in the compute dtype, each
+source's gradient in that source's dtype; arithmetic is fp32 (elementwise FMAs and row sums: no tensor-core
+product, so TF32 never applies). The backward is first-order: under ``create_graph=True`` it raises a
+RuntimeError.
 
 Triton is imported inside ``try/except`` so that this file (copied next to the model code for remote code)
 imports everywhere. Without a GPU the kernels run under ``TRITON_INTERPRET=1``, set before this module is
@@ -83,11 +85,11 @@ if triton is not None:
 
     @triton.jit
     def attnres_fwd_kernel(
-        x0, x1, x2, x3, x4, x5, x6, x7,  # this launch's sources, each [M, D] contiguous
+        x0, x1, x2, x3, x4, x5, x6, x7,  # this launch's sources, each [M, D] contiguous, each in its own dtype
         p_u,  # [D] fp32: w * g
         p_p, p_r,  # [M, N] fp32: p_i and r_i (this launch writes columns FIRST_COL .. FIRST_COL + N_CHUNK - 1)
         p_m, p_l, p_acc,  # [M], [M], [M, D] fp32: the online softmax carried between chained launches
-        p_h, p_lse,  # [M, D] in the sources' dtype, [M] fp32: written by the last launch
+        p_h, p_lse,  # [M, D] in the compute dtype, [M] fp32: written by the last launch
         M, D, N, first_col, eps,
         N_CHUNK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -132,7 +134,7 @@ if triton is not None:
     @triton.jit
     def attnres_dots_kernel(
         x0, x1, x2, x3, x4, x5, x6, x7,  # this launch's sources, each [M, D] contiguous
-        p_dh,  # [M, D] the gradient of h, in the sources' dtype
+        p_dh,  # [M, D] the gradient of h, in the compute dtype
         p_da,  # [M, N] fp32: dalpha_i = dh . v_i (columns first_col ..)
         M, D, N, first_col,
         N_CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -151,9 +153,9 @@ if triton is not None:
     @triton.jit
     def attnres_grads_kernel(
         x0, x1, x2, x3, x4, x5, x6, x7,  # this launch's sources, each [M, D] contiguous
-        g0, g1, g2, g3, g4, g5, g6, g7,  # their gradients (written when HAS_DX), same layout and dtype
+        g0, g1, g2, g3, g4, g5, g6, g7,  # their gradients (written when HAS_DX), each in its source's layout and dtype
         p_u,  # [D] fp32: w * g
-        p_dh,  # [M, D] the gradient of h, in the sources' dtype
+        p_dh,  # [M, D] the gradient of h, in the compute dtype
         p_alpha, p_b, p_e,  # [M, N] fp32: alpha_i, b_i = ds_i r_i, e_i = -b_i p_i r_i^2 / D
         p_du,  # [programs, D] fp32: each program adds its partial du to its row (when HAS_DU)
         M, D, N, first_col, NUM_TILES,
@@ -165,7 +167,7 @@ if triton is not None:
         o_d = tl.arange(0, BLOCK_D)
         m_d = o_d < D
         b_u = tl.load(p_u + o_d, mask=m_d, other=0.0)
-        b_du = tl.zeros([BLOCK_D], dtype=tl.float32)
+        b_du = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)  # reduced over the tokens once, after the loop
         for i_tile in range(i_p, NUM_TILES, tl.num_programs(0)):
             o_t = tl.arange(0, BLOCK_T).to(tl.int64) + i_tile * BLOCK_T  # i_tile * BLOCK_T < M + BLOCK_T
             m_t = o_t < M
@@ -183,10 +185,10 @@ if triton is not None:
                     p_g = _pick(i, g0, g1, g2, g3, g4, g5, g6, g7)
                     tl.store(p_g + o_td, b_dx.to(p_g.dtype.element_ty), mask=m_td)
                 if HAS_DU:
-                    b_du += tl.sum(b_b[:, None] * b_x, axis=0)
+                    b_du += b_b[:, None] * b_x
         if HAS_DU:
-            b_du += tl.load(p_du + i_p * D + o_d, mask=m_d, other=0.0)
-            tl.store(p_du + i_p * D + o_d, b_du, mask=m_d)
+            b_du_row = tl.sum(b_du, axis=0) + tl.load(p_du + i_p * D + o_d, mask=m_d, other=0.0)
+            tl.store(p_du + i_p * D + o_d, b_du_row, mask=m_d)
 
 
 def _tile(dim: int, elements: int) -> tuple[int, int]:
@@ -214,17 +216,18 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _check(query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: torch.Tensor) -> None:
+def _check(query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: torch.Tensor, dtype) -> None:
     if triton is None:
         raise RuntimeError(f"Triton is not available: {_TRITON_IMPORT_ERROR!r}")
     first = sources[0]
-    if any(x.dtype != first.dtype or x.shape != first.shape or x.device != first.device for x in sources):
-        raise ValueError("the Triton attention_residual needs sources of one dtype, shape and device (the dispatcher "
-                         f"casts them to the compute dtype); got {[(x.dtype, tuple(x.shape)) for x in sources]}")
-    if first.dtype not in SUPPORTED_DTYPES or torch.float64 in (query.dtype, key_norm_weight.dtype):
-        raise ValueError(f"the Triton attention_residual computes in fp32 and supports sources in {SUPPORTED_DTYPES} "
-                         f"with non-float64 query and key_norm_weight; got {first.dtype}, {query.dtype}, "
-                         f"{key_norm_weight.dtype} (use backend='torch')")
+    if any(x.shape != first.shape or x.device != first.device for x in sources):
+        raise ValueError("the Triton attention_residual needs sources of one shape and device; got "
+                         f"{[(tuple(x.shape), str(x.device)) for x in sources]}")
+    inputs = {str(x.dtype) for x in (query, key_norm_weight, *sources)}
+    if dtype not in SUPPORTED_DTYPES or not inputs <= {str(t) for t in SUPPORTED_DTYPES}:
+        raise ValueError(f"the Triton attention_residual computes in fp32: compute dtype and inputs in "
+                         f"{SUPPORTED_DTYPES}; got compute dtype {dtype}, inputs {sorted(inputs)} "
+                         "(use backend='torch')")
     if first.shape[-1] > MAX_DIM:
         raise ValueError(f"the Triton attention_residual supports D <= {MAX_DIM}; got D={first.shape[-1]}")
     if first.device.type != "cuda" and not _INTERPRET:
@@ -233,16 +236,16 @@ def _check(query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: to
 
 
 class _TritonAttentionResidual(torch.autograd.Function):
-    """Autograd wrapper of the kernels (inputs: query, key_norm_weight, eps, *sources; outputs: h, alpha)."""
+    """Autograd wrapper of the kernels (inputs: dtype, query, key_norm_weight, eps, *sources; outputs: h, alpha)."""
 
     @staticmethod
-    def forward(ctx, query, key_norm_weight, eps, *sources):  # noqa: D102
+    def forward(ctx, dtype, query, key_norm_weight, eps, *sources):  # noqa: D102
         xs = [x.detach().contiguous() for x in sources]
         shape, n_src, device = xs[0].shape, len(xs), xs[0].device
         dim = shape[-1]
         tokens = xs[0].numel() // dim
         u = (query.detach().float() * key_norm_weight.detach().float()).contiguous()
-        h = torch.empty(shape, dtype=xs[0].dtype, device=device)
+        h = torch.empty(shape, dtype=dtype, device=device)
         p, r = (torch.empty((tokens, n_src), dtype=torch.float32, device=device) for _ in range(2))
         lse = torch.empty(tokens, dtype=torch.float32, device=device)
         chained = n_src > SOURCES_PER_LAUNCH
@@ -257,6 +260,7 @@ class _TritonAttentionResidual(torch.autograd.Function):
                     BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_num_warps(block_t, block_d),
                 )
         alpha = torch.exp(p * r - lse[:, None]).view(*shape[:-1], n_src)
+        ctx.dtype = dtype
         ctx.set_materialize_grads(False)
         # The caller's sources (not contiguous copies) and [M, N] statistics: nothing the size of a source extra.
         ctx.save_for_backward(query, key_norm_weight, p, r, alpha, *sources)
@@ -271,12 +275,12 @@ class _TritonAttentionResidual(torch.autograd.Function):
             )
         query, key_norm_weight, p, r, alpha, *sources = ctx.saved_tensors
         n_src = len(sources)
-        need_du = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        need_dx = any(ctx.needs_input_grad[3:])
+        need_du = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        need_dx = any(ctx.needs_input_grad[4:])
         if (grad_h is None and grad_alpha is None) or not (need_du or need_dx):
-            return (None, None, None, *([None] * n_src))
+            return (None, None, None, None, *([None] * n_src))
         xs = [x.detach().contiguous() for x in sources]
-        shape, dtype, device = xs[0].shape, xs[0].dtype, xs[0].device
+        shape, dtype, device = xs[0].shape, ctx.dtype, xs[0].device
         dim = shape[-1]
         tokens = xs[0].numel() // dim
         alpha = alpha.reshape(tokens, n_src)
@@ -293,7 +297,7 @@ class _TritonAttentionResidual(torch.autograd.Function):
             d_alpha += grad_alpha.reshape(tokens, n_src).float()
         b = alpha * (d_alpha - (alpha * d_alpha).sum(dim=1, keepdim=True)) * r
         e = b * p * r.square() / -dim
-        dxs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_src)] if need_dx else xs
+        dxs = [torch.empty(shape, dtype=x.dtype, device=device) for x in xs] if need_dx else xs
         cap = INTERPRET_MAX_PROGRAMS if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
         programs = max(1, min(num_tiles, cap if _INTERPRET else 4 * cap))
         du_partial = torch.zeros((programs, dim), dtype=torch.float32, device=device)
@@ -305,19 +309,21 @@ class _TritonAttentionResidual(torch.autograd.Function):
                     N_CHUNK=count, HAS_DX=need_dx, HAS_DU=need_du, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
                 )
         du = du_partial.sum(dim=0)
-        d_q = (du * key_norm_weight.float()).to(query.dtype) if ctx.needs_input_grad[0] else None
-        d_g = (du * query.float()).to(key_norm_weight.dtype) if ctx.needs_input_grad[1] else None
-        d_src = [dxs[i] if need_dx and ctx.needs_input_grad[3 + i] else None for i in range(n_src)]
-        return (d_q, d_g, None, *d_src)
+        d_q = (du * key_norm_weight.float()).to(query.dtype) if ctx.needs_input_grad[1] else None
+        d_g = (du * query.float()).to(key_norm_weight.dtype) if ctx.needs_input_grad[2] else None
+        d_src = [dxs[i] if need_dx and ctx.needs_input_grad[4 + i] else None for i in range(n_src)]
+        return (None, d_q, d_g, None, *d_src)
 
 
 def triton_attention_residual(
-    query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: torch.Tensor, eps: float
+    query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: torch.Tensor, eps: float,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused Attention Residuals, differentiable (first order): query [D], N sources [B, T, D] of one dtype (fp32,
-    fp16 or bf16), shape and device (CUDA, or CPU under ``TRITON_INTERPRET=1``; non-contiguous ones are copied),
-    key_norm_weight [D] -> ``(h [B, T, D] in the sources' dtype, alpha [B, T, N] fp32)``. Raises ValueError for
-    inputs the kernels cannot compute (mixed dtypes, float64, D > ``MAX_DIM``, a device other than CUDA)."""
+    """Fused Attention Residuals, differentiable (first order): query [D], N sources [B, T, D] of one shape and
+    device (CUDA, or CPU under ``TRITON_INTERPRET=1``; dtypes fp32, fp16 or bf16, each read in its own;
+    non-contiguous ones are copied), key_norm_weight [D], the compute dtype ``dtype`` -> ``(h [B, T, D] in dtype,
+    alpha [B, T, N] fp32)``. Raises ValueError for inputs the kernels cannot compute (float64, D > ``MAX_DIM``,
+    a device other than CUDA)."""
     sources = list(sources)
-    _check(query, sources, key_norm_weight)
-    return _TritonAttentionResidual.apply(query, key_norm_weight, float(eps), *sources)
+    _check(query, sources, key_norm_weight, dtype)
+    return _TritonAttentionResidual.apply(dtype, query, key_norm_weight, float(eps), *sources)

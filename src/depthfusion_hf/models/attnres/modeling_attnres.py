@@ -153,7 +153,7 @@ class AttnResPreTrainedModel(LlamaPreTrainedModel):
     config: AttnResConfig
     config_class = AttnResConfig
     _no_split_modules = ["AttnResDecoderLayer"]
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True  # one-token StaticCache decoding steps compile whole (issue 21, tested)
     _can_record_outputs = {
         "hidden_states": AttnResDecoderLayer,
         "attentions": LlamaAttention,
