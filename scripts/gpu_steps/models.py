@@ -1,6 +1,6 @@
 """Step ``models``: a bf16-autocast training step of every family against the fp32 PyTorch backend.
 
-For each family (DenseFormer, MoDA, AttnRes block and full, DWAtt; transformers' Llama as the control) one model
+For each family (DenseFormer, MoDA, AttnRes block and full, mHC, DWAtt; transformers' Llama as the control) one model
 of realistic width (d_model 1024, 8 heads of 128, GQA 2, 8 layers, T = 2048, a left-padded batch of 4) is run
 three times on the same weights and batch: fp32 with ``op_backend="torch"`` (the reference), bf16 autocast with
 ``op_backend="triton"`` (what ``Trainer(bf16=True)`` runs on CUDA), and bf16 autocast with ``op_backend="torch"``.
@@ -49,7 +49,8 @@ def _build(family: str):
     config = {"denseformer": lambda: dfh.DenseFormerConfig(**DECODER, dwa_dilation=1, dwa_period=1),
               "moda": lambda: dfh.MoDAConfig(**DECODER),
               "attnres-block": lambda: dfh.AttnResConfig(**DECODER, attnres_block_size=4),
-              "attnres-full": lambda: dfh.AttnResConfig(**DECODER)}[family]()
+              "attnres-full": lambda: dfh.AttnResConfig(**DECODER),
+              "mhc": lambda: dfh.MHCConfig(**DECODER)}[family]()
     return dfh.get_family(config.model_type).task_model_class(config).to(DEVICE), True
 
 
@@ -116,7 +117,7 @@ def run(result: Result, args) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    for family in ("moda", "attnres-block", "attnres-full", "denseformer", "llama", "dwatt"):
+    for family in ("moda", "attnres-block", "attnres-full", "denseformer", "mhc", "llama", "dwatt"):
         result.attempt(f"{family}: bf16 autocast training step", lambda f=family: family_check(result, f))
 
 
