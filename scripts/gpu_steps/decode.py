@@ -185,6 +185,10 @@ def variant_check(result: Result, variant: str, llama: dict) -> None:
 
 
 def run(result: Result, args) -> None:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 oracle in float32
+    torch.backends.cudnn.allow_tf32 = False
     llama: dict = {}
     for variant in VARIANTS:
         result.attempt(f"{variant}: compiled static-cache decoding", lambda v=variant: variant_check(result, v, llama))
