@@ -18,8 +18,15 @@ def _seed():
     yield
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """The workers of ``-n auto`` (pyproject.toml's addopts): two (CI's and the development machine's 2 cores); none in
+    a pytest that a test started (``tests/kernels/interpret.py``'s child), which runs in one process as before."""
+    return 0 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 def pytest_configure(config):
-    """Under pytest-xdist (``-n 2`` in pyproject.toml's addopts) the workers share the cores: each runs one torch
+    """Under pytest-xdist (``-n auto`` in pyproject.toml's addopts) the workers share the cores: each runs one torch
     intra-op thread, and the processes its tests start one OpenMP thread unless ``OMP_NUM_THREADS`` says otherwise."""
     if hasattr(config, "workerinput"):
         torch.set_num_threads(1)
