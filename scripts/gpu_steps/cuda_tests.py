@@ -49,8 +49,9 @@ def run_pytest(result: Result, files: list[Path], work: Path) -> None:
     """One pytest process over ``files`` (one interpreter start-up), stopped 5 s before the step's limit."""
     junit = work / "junit-cuda-tests.xml"
     limit = float(os.environ.get("GPU_CHECK_STEP_LIMIT", "600"))
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={junit}",
-               *map(str, files)]
+    # -o addopts=: pyproject's "-n 2" needs pytest-xdist, which that machine may lack; one process suits a GPU
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rs",
+               f"--junitxml={junit}", *map(str, files)]
     try:
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=max(1.0, limit - 5))
         returncode, output = proc.returncode, proc.stdout + proc.stderr
