@@ -74,6 +74,7 @@ from depthfusion_hf.recipes.clm import (
     new_parameter_names,
     results_table,
     run_name,
+    start_from_seeded_llama,
     train_one,
 )
 from depthfusion_hf.recipes.records import data_record
@@ -327,6 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = build_model(args.model, config=config)
     else:
         model = build_model(args.model, tokenizer=tokenizer, init_from=args.init_from, config=config, **kwargs)
+        if args.init_from is None:  # the same-seed baseline's weights; only what the family adds is its own
+            start_from_seeded_llama(model, tokenizer, args.seed)
     name = run_name(model.config)
     plot = FAMILIES[args.model].analysis_plot
 

@@ -24,6 +24,7 @@ from transformers import (
     PreTrainedModel,
     Trainer,
     TrainingArguments,
+    set_seed,
 )
 
 from ..convert import llama_config_fields, load_llama
@@ -161,6 +162,26 @@ def baseline_arch(model: PreTrainedModel) -> dict:
     """The Llama fields of a model's config, to build the same-depth plain baseline."""
     fields = llama_config_fields(model.config)
     return {k: v for k, v in fields.items() if k in LlamaConfig.__dataclass_fields__}
+
+
+def start_from_seeded_llama(model: PreTrainedModel, tokenizer, seed: int) -> bool:
+    """Give ``model`` the weights of the Llama that ``seed`` builds at its shape, the same-seed baseline's start.
+
+    The Llama is built from ``seed`` (as the baseline is) and its state dict loaded into ``model``, whose own new
+    parameters (DWA weights, pseudo-queries, FFN-side K/V, hyper-connections) keep their seeded initialisation; so
+    a family model and its baseline differ at the start only by what the family adds (without this, the family's
+    extra parameters consume random numbers first and every later Llama weight differs). Returns False, changing
+    nothing, when a Llama name or shape does not fit ``model``.
+    """
+    set_seed(seed)
+    llama_state = build_model(BASELINE, baseline_arch(model), tokenizer).state_dict()
+    own = model.state_dict()
+    if any(name not in own or own[name].shape != value.shape for name, value in llama_state.items()):
+        return False
+    model.load_state_dict(llama_state, strict=False)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return True
 
 
 def new_parameter_names(model: PreTrainedModel, llama_names: Iterable[str] | None = None) -> list[str]:
@@ -477,6 +498,7 @@ __all__ = [
     "load_arch",
     "results_table",
     "sharded_training",
+    "start_from_seeded_llama",
     "train_one",
     "training_arguments",
     "unsharded_model",
