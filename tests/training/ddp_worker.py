@@ -72,6 +72,7 @@ def _wrap_train_one(original):
             "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
             "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
             "full_numel": sum(p.numel() for p in model.parameters()),
+            "full_shapes": [list(p.shape) for p in model.parameters()],  # a DTensor's shape is global
             "fsdp_units": [n for n, m in model.named_modules() if isinstance(m, FSDPModule)],
             "logits": _probe_logits(model),
         }

@@ -107,6 +107,14 @@ class Tolerance:
       weight of size 0.04). ``weight_rtol`` = ``2·eps`` adds the final rounding of each weight (1 ulp measured
       on norm weights of size 1).
 
+    - ``noise_atol`` = ``2 · lr · steps`` for mHC's hyper-connection parameters (``*_hc.*``): the part of them that
+      feeds only ``comb`` has an exactly zero gradient at layer 0 (the n streams there are copies of the embedding,
+      and ``combᵀ X = X`` for every doubly-stochastic ``comb``) and a tiny one in the next layers, so float32
+      rounding noise is as large as the signal (float64: 3.5e-19, float32: 1e-10, measured), and AdamW, which
+      scales each entry to a step of at most ``lr`` (β1 = 0.9, β2 = 0.95: ``1 − β1 ≤ sqrt(1 − β2)``), moves them by
+      noise-determined amounts (measured: 1.1e-5). Adam's step bound is the only sound one; the step losses and
+      gradient norms above, which include these parameters, are held to ``loss_rtol``.
+
     A run whose ranks trained on the wrong blocks is far outside: one process on a single rank's half of each
     batch differs from the 2-rank run by 8e-4 to 1e-2 relative in the step losses (measured), 100 to 1000 times
     ``loss_rtol``.
@@ -115,11 +123,13 @@ class Tolerance:
     loss_rtol: float
     weight_rtol: float
     weight_atol: float
+    noise_atol: float
 
 
 _GLOBAL_TOKENS = RANKS * PER_RANK_BATCH * TOKENS_PER_BLOCK
 REDUCTION = Tolerance(loss_rtol=STEPS * _GLOBAL_TOKENS**0.5 * EPS32, weight_rtol=2 * EPS32,
-                      weight_atol=LEARNING_RATE * STEPS * _GLOBAL_TOKENS * EPS32)
+                      weight_atol=LEARNING_RATE * STEPS * _GLOBAL_TOKENS * EPS32,
+                      noise_atol=2 * LEARNING_RATE * STEPS)
 
 
 def training_records(results: dict) -> dict[int, dict]:
@@ -141,5 +151,6 @@ def assert_matches_single_process(results: dict, weights: dict[str, torch.Tensor
     assert results["runs"][0]["parameters"] == reference["runs"][0]["parameters"]
     assert set(reference_weights) <= set(weights)
     for name, expected in reference_weights.items():
-        torch.testing.assert_close(weights[name], expected, rtol=REDUCTION.weight_rtol, atol=REDUCTION.weight_atol,
+        atol = REDUCTION.noise_atol if "_hc." in name else REDUCTION.weight_atol
+        torch.testing.assert_close(weights[name], expected, rtol=REDUCTION.weight_rtol, atol=atol,
                                    msg=lambda m, name=name: f"{name}: {m}")

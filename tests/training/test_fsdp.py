@@ -14,6 +14,7 @@ sharded over the two ranks, and must
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def fsdp_run(request, tmp_path_factory, corpus_file):
     return family, fsdp_train(corpus_file, family, tmp_path_factory.mktemp(f"fsdp_{family}"))
 
 
+def _chunk_rows(rows: int, rank: int) -> int:
+    """Rows of a ``rows``-row parameter on ``rank`` when FSDP2 shards it along dim 0 over ``RANKS`` ranks."""
+    chunks = torch.arange(rows).chunk(RANKS)
+    return len(chunks[rank]) if rank < len(chunks) else 0
+
+
 def rank_reports(root: Path) -> list[dict]:
     return [json.loads((root / "record" / f"rank{r}.json").read_text()) for r in range(RANKS)]
 
@@ -69,9 +76,12 @@ def test_fsdp_shards_the_model_and_trains_like_one_process(fsdp_run, single_proc
     units = set(reports[0]["fsdp_units"])
     layers = {f"model.layers.{i}" for i in range(4)}
     assert {""} | layers <= units, units
-    # ... and each rank holds half of every parameter (dim-0 shards; the sizes here are all even).
-    full = reports[0]["full_numel"]
-    assert [r["local_numel"] for r in reports] == [full // RANKS] * RANKS
+    # ... and each rank holds its dim-0 shard of every parameter (FSDP2 shards as torch.chunk does: mHC's
+    # three-element `scale` splits 2 + 1).
+    shapes = reports[0]["full_shapes"]
+    assert sum(math.prod(shape) for shape in shapes) == reports[0]["full_numel"]
+    expected = [sum(math.prod(shape[1:]) * _chunk_rows(shape[0], rank) for shape in shapes) for rank in range(RANKS)]
+    assert [r["local_numel"] for r in reports] == expected
 
     init = [torch.load(root / "record" / f"rank{r}_init.pt") for r in range(RANKS)]
     for name in init[0]:
