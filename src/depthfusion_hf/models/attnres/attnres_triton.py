@@ -191,17 +191,24 @@ if triton is not None:
             tl.store(p_du + i_p * D + o_d, b_du_row, mask=m_d)
 
 
-def _tile(dim: int, elements: int) -> tuple[int, int]:
-    """``(BLOCK_T, BLOCK_D)``: whole rows, about ``elements`` per tile (``INTERPRET_TILE_ELEMENTS`` interpreted)."""
+# (elements per token tile, elements of a tile per thread) of each kernel. The forward and the dots kernel: 4,096
+# and 16 (8 warps; 16 warps cap a thread at 128 registers, where the forward's unrolled sources spill). The gradients
+# kernel keeps four tile-sized operands live (dh, its du accumulator, a source and its gradient): half of that per
+# thread (at 16, ptxas spilled 8-48 B in bf16 specialisations on sm_80 and sm_90; found by the AOT harness).
+FORWARD_TILE = (4096, 16)
+GRADS_TILE = (2048, 8)
+
+
+def _launch_shape(dim: int, tile: tuple[int, int]) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_D, num_warps)`` for rows of ``dim``: whole rows, about ``tile[0]`` elements per tile
+    (``INTERPRET_TILE_ELEMENTS`` interpreted), 4 to 16 warps so that a thread holds about ``tile[1]`` of them (a
+    row longer than 16 warps allow gets 16: D = 8,192 in the gradients kernel)."""
+    elements, per_thread = tile
     block_d = triton.next_power_of_2(dim)
-    elements = INTERPRET_TILE_ELEMENTS if _INTERPRET else elements
-    return max(1, min(64, elements // block_d)), block_d
-
-
-def _num_warps(block_t: int, block_d: int) -> int:
-    """Warps per program: 4 to 8 for tiles of up to 4,096 elements (16 would cap a thread at 128 registers, where
-    the forward's unrolled sources spill), 16 for one longer row (8 would leave too many elements per thread)."""
-    return 1 if _INTERPRET else 16 if block_t * block_d > 4096 else max(4, block_t * block_d // 512)
+    if _INTERPRET:
+        return max(1, min(64, INTERPRET_TILE_ELEMENTS // block_d)), block_d, 1
+    block_t = max(1, min(64, elements // block_d))
+    return block_t, block_d, min(16, max(4, block_t * block_d // (32 * per_thread)))
 
 
 def _launches(tensors: list[torch.Tensor]):
@@ -251,13 +258,13 @@ class _TritonAttentionResidual(torch.autograd.Function):
         chained = n_src > SOURCES_PER_LAUNCH
         state = (torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(h, dtype=torch.float32)) if chained \
             else (lse,) * 3  # the online softmax carried between chained launches (unused by a single one)
-        block_t, block_d = _tile(dim, 4096)
+        block_t, block_d, warps = _launch_shape(dim, FORWARD_TILE)
         with _on(device):
             for first, ptrs, count in _launches(xs) if tokens > 0 else ():
                 attnres_fwd_kernel[(triton.cdiv(tokens, block_t),)](
                     *ptrs, u, p, r, *state, h, lse, tokens, dim, n_src, first, eps,
                     N_CHUNK=count, FIRST=first == 0, LAST=first + count == n_src,
-                    BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_num_warps(block_t, block_d),
+                    BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
                 )
         alpha = torch.exp(p * r - lse[:, None]).view(*shape[:-1], n_src)
         ctx.dtype = dtype
@@ -284,20 +291,21 @@ class _TritonAttentionResidual(torch.autograd.Function):
         dim = shape[-1]
         tokens = xs[0].numel() // dim
         alpha = alpha.reshape(tokens, n_src)
-        block_t, block_d = _tile(dim, 4096)
-        num_tiles = triton.cdiv(tokens, block_t)
-        warps = _num_warps(block_t, block_d)
+        block_t, block_d, warps = _launch_shape(dim, FORWARD_TILE)
         d_alpha = torch.zeros((tokens, n_src), dtype=torch.float32, device=device)
         dh = torch.zeros(shape, dtype=dtype, device=device) if grad_h is None else grad_h.to(dtype).contiguous()
         with _on(device):
             for first, ptrs, count in _launches(xs) if tokens > 0 and grad_h is not None else ():
-                attnres_dots_kernel[(num_tiles,)](*ptrs, dh, d_alpha, tokens, dim, n_src, first, N_CHUNK=count,
-                                                  BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+                attnres_dots_kernel[(triton.cdiv(tokens, block_t),)](
+                    *ptrs, dh, d_alpha, tokens, dim, n_src, first, N_CHUNK=count,
+                    BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
         if grad_alpha is not None:
             d_alpha += grad_alpha.reshape(tokens, n_src).float()
         b = alpha * (d_alpha - (alpha * d_alpha).sum(dim=1, keepdim=True)) * r
         e = b * p * r.square() / -dim
         dxs = [torch.empty(shape, dtype=x.dtype, device=device) for x in xs] if need_dx else xs
+        block_t, block_d, warps = _launch_shape(dim, GRADS_TILE)
+        num_tiles = triton.cdiv(tokens, block_t)
         cap = INTERPRET_MAX_PROGRAMS if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
         programs = max(1, min(num_tiles, cap if _INTERPRET else 4 * cap))
         du_partial = torch.zeros((programs, dim), dtype=torch.float32, device=device)
