@@ -25,6 +25,11 @@ MAX_MIB=60
 WHEELS=(
   "transformers==5.24.0"
   "regex==2026.11.19"
+  # the check's cuda_tests step runs pytest, which is not in that machine's known packages
+  "pytest==9.2.0"
+  "pluggy==1.7.0"
+  "iniconfig==2.3.1"
+  "pygments==2.21.0"
 )
 
 mkdir -p "$DIR"
