@@ -165,14 +165,8 @@ def baseline_arch(model: PreTrainedModel) -> dict:
 
 
 def start_from_seeded_llama(model: PreTrainedModel, tokenizer, seed: int) -> bool:
-    """Give ``model`` the weights of the Llama that ``seed`` builds at its shape, the same-seed baseline's start.
-
-    The Llama is built from ``seed`` (as the baseline is) and its state dict loaded into ``model``, whose own new
-    parameters (DWA weights, pseudo-queries, FFN-side K/V, hyper-connections) keep their seeded initialisation; so
-    a family model and its baseline differ at the start only by what the family adds (without this, the family's
-    extra parameters consume random numbers first and every later Llama weight differs). Returns False, changing
-    nothing, when a Llama name or shape does not fit ``model``.
-    """
+    """Load into ``model`` the weights of the Llama that ``seed`` builds at its shape (the same-seed baseline's start;
+    the family's own new parameters keep their seeded init). Returns False, changing nothing, when they do not fit."""
     set_seed(seed)
     llama_state = build_model(BASELINE, baseline_arch(model), tokenizer).state_dict()
     own = model.state_dict()

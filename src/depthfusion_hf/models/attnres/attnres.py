@@ -28,13 +28,10 @@ triton        ``attnres_triton.py``: fused kernels, CUDA tensors     fp32, bf16,
 Work the kernel cannot compute (a float64 compute dtype, D past ``MAX_DIM``) asked of Triton runs on torch. fp32
 on CUDA stays on the kernel (elementwise fp32 FMAs and row sums: no tensor-core matmul, so TF32 never applies).
 
-**Compute dtype** (:func:`compute_dtype`), one for every backend: the promoted dtype of the floating inputs
-(query, key-norm weight, sources), also under autocast, as DenseFormer's DWA. The op is the residual stream's
-mix: autocast lowers matmuls, not sums, and a Llama's residual ``x + f(x)`` stays fp32 under bf16 autocast (an
-fp32 embedding plus bf16 sub-layer outputs), so an AttnRes model's does too. Nothing is cast for it: every
-implementation reads each source in its own dtype (under autocast an fp32 embedding is followed by bf16 outputs),
-accumulates in fp32 (float64 for float64) with autocast off, and returns h in the compute dtype, alpha in fp32
-(float64); a source's gradient is rounded once to that source's dtype.
+**Compute dtype** (:func:`compute_dtype`), one for every backend: the promoted dtype of the floating inputs, also
+under autocast, as DWA's (the op mixes the residual stream, which stays fp32 under autocast as a Llama's does).
+Every implementation reads each source in its own dtype, accumulates in fp32 (float64 for float64) with autocast
+off, returns h in the compute dtype and alpha in fp32 (float64), and rounds a source's gradient once to its dtype.
 
 This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next to the
 model code by ``save_pretrained`` for ``trust_remote_code`` loading.
@@ -228,10 +225,8 @@ def _scores(u, sources, eps, scratch=None) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attnres_torch_forward(query, sources, key_norm_weight, eps, dtype):
-    """The torch backend's forward: ``(h, alpha, p, r)``, h [B, T, D] in the compute dtype ``dtype``, the rest
-    [B, T, N] in the accumulation dtype. Sources of at most ``SMALL_NUMEL`` elements (cached decoding: a few KB)
-    are stacked into a transient [B, T, N, D] buffer and computed in a few operators whatever N; larger ones
-    (training) in a loop over the list, a few operators per source, each read in its own dtype."""
+    """The torch backend's forward: ``(h, alpha, p, r)``, h [B, T, D] in ``dtype``, the rest [B, T, N] in fp32/64.
+    Sources of at most ``SMALL_NUMEL`` elements (decoding) are stacked transiently; larger ones are read in a loop."""
     acc = accumulation_dtype(dtype)
     u = _as(query, acc) * _as(key_norm_weight, acc)
     if sources[0].numel() <= SMALL_NUMEL:
@@ -251,15 +246,11 @@ def attnres_torch_forward(query, sources, key_norm_weight, eps, dtype):
 
 
 class AttnResFunction(torch.autograd.Function):
-    """The torch backend with autograd: inputs ``(dtype, query, key_norm_weight, eps, *sources)`` (``dtype``: the
-    compute dtype), outputs ``(h, alpha)``.
+    """The torch backend with autograd: ``(dtype, query, key_norm_weight, eps, *sources)`` -> ``(h, alpha)``.
 
-    Forward: :func:`attnres_torch_forward` (without autograd recording, the dispatcher calls it directly).
-    Saved: references to the inputs and ``p``, ``r``, ``alpha`` [B, T, N]. The backward is the formulas of the
-    module docstring over the list of sources (never stacked), in differentiable torch operators: under
-    ``create_graph=True`` it recomputes ``p``, ``r``, ``alpha`` from the saved inputs with autograd recording
-    and uses no ``out=`` buffers, so second-order gradients are exact.
-    """
+    Saves references to the inputs and ``p``, ``r``, ``alpha`` [B, T, N]; the backward is the module docstring's
+    formulas over the list of sources in differentiable torch ops (under ``create_graph=True`` it recomputes
+    ``p``, ``r``, ``alpha`` with autograd recording and uses no ``out=`` buffers: exact second order)."""
 
     @staticmethod
     def forward(ctx, dtype, query, key_norm_weight, eps, *sources):  # noqa: D102

@@ -1,30 +1,21 @@
 """Fused Triton kernels for Attention Residuals: the formulas of ``attnres.py``'s docstring, per token.
 
-**Launches.** The sources are kernel *arguments*: up to ``SOURCES_PER_LAUNCH`` pointers per launch (``x0..x7``;
-unused slots repeat ``x0``; the count ``N_CHUNK`` is a compile-time constant), chained for more. Nothing is built
-on the host per call (no table of ``data_ptr()``s), so launches can be captured in a CUDA graph and traced by
-dynamo, and each pointer keeps its alignment specialisation (vector loads). Launches run under the tensors' device
-(``torch.cuda.device``), on its current stream. A program owns ``BLOCK_T`` tokens and whole rows of ``D``.
+**Launches.** The sources are kernel *arguments*: up to ``SOURCES_PER_LAUNCH`` typed pointers per launch (unused
+slots repeat ``x0``; the count ``N_CHUNK`` is a compile-time constant), chained for more; nothing is built on the
+host per call, so launches can be captured in a CUDA graph and traced by dynamo, and each pointer keeps its
+alignment (vector loads). Launches run under the tensors' device, on its current stream; a program owns
+``BLOCK_T`` tokens and whole rows of ``D``; offsets are 64-bit; grids are one-dimensional.
 
 - forward (:func:`attnres_fwd_kernel`): one read of each source row gives ``p_i``, ``r_i`` ([M, N] fp32) and a
-  step of an online softmax (running max, sum, fp32 accumulator, carried through fp32 buffers between chained
-  launches); the last launch writes h and the log-sum-exp. The caller forms ``alpha = exp(p r - lse)``.
-- backward: :func:`attnres_dots_kernel` writes ``dalpha_i = dh . v_i`` [M, N]; the caller forms ``b``, ``e``
-  ([M, N] fp32); :func:`attnres_grads_kernel` writes ``dv_i = alpha_i dh + b_i u + e_i v_i`` and its program's
-  partial ``du = sum b_i v_i`` (a fixed grid over token tiles, each program adding into its row of a
-  [programs, D] buffer summed in a fixed order: deterministic, no atomics).
+  step of an online softmax carried through fp32 buffers between chained launches; the last writes h and the lse.
+- backward: :func:`attnres_dots_kernel` writes ``dalpha_i = dh . v_i``; the caller forms ``b``, ``e``;
+  :func:`attnres_grads_kernel` writes ``dv_i = alpha_i dh + b_i u + e_i v_i`` and its program's partial ``du``
+  (a fixed grid, partials summed in a fixed order: deterministic, no atomics). First order only.
 
-Traffic per token, in rows of D: forward ``N + 1`` (+ 2 per chained launch), backward ``3N + 2``. Offsets are
-64-bit (token index times D or N); grids are one-dimensional (axis 0: up to 2^31 - 1 programs). Each source is
-read in its own dtype (fp32, bf16 or fp16: each pointer argument is typed, so an fp32 embedding beside bf16
-outputs under autocast is read as fp32 and bf16 respectively), h and its gradient are in the compute dtype, each
-source's gradient in that source's dtype; arithmetic is fp32 (elementwise FMAs and row sums: no tensor-core
-product, so TF32 never applies). The backward is first-order: under ``create_graph=True`` it raises a
-RuntimeError.
-
-Triton is imported inside ``try/except`` so that this file (copied next to the model code for remote code)
-imports everywhere. Without a GPU the kernels run under ``TRITON_INTERPRET=1``, set before this module is
-imported. This module never imports the dispatcher (``attnres.py``).
+Each source is read in its own dtype (fp32, bf16, fp16), h in the compute dtype, each source's gradient in that
+source's dtype; arithmetic is fp32 (elementwise FMAs and row sums: TF32 never applies). Triton is imported in
+``try/except`` (this file is copied as remote code); without a GPU the kernels run under ``TRITON_INTERPRET=1``,
+set before import. This module never imports the dispatcher (``attnres.py``).
 """
 
 import contextlib

@@ -6,9 +6,8 @@ feeds sub-layer l with h_l = v_0 + sum_{i<l} v_i, AttnRes feeds it one call of t
 one more call over all sources. With blocks of S sub-layers (block AttnRes; full AttnRes is S = 1) the state is
 the embedding, the finished blocks' sums and the current block's running sum: after sub-layer l it appends v_l
 (l starts a block) or adds v_l to its last entry. Sub-layer 1 reads v_0 alone (its call is the identity, not
-materialised); layer i owns the calls feeding its MLP (``mlp_res``) and forming its output (``output_res``: the
-next layer's input, or h_final). Everything else is transformers' Llama under its Llama names, and decoding needs
-only the ordinary KV cache (AttnRes mixes one token's own states).
+materialised); layer i owns the calls feeding its MLP (``mlp_res``) and forming its output (``output_res``).
+Everything else is transformers' Llama under its Llama names; decoding needs only the ordinary KV cache.
 """
 
 from dataclasses import dataclass
@@ -247,21 +246,11 @@ class AttnResModel(AttnResPreTrainedModel):
     def depth_attention_weights(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, per_token: bool = False
     ) -> torch.Tensor:
-        """Every AttnRes call's softmax over its sources, averaged over the real tokens of a batch.
-
-        Row c is the call feeding sub-layer c + 1 (rows 0..2L-1: attention and MLP of layers 1..L; row 2L the
-        final call). Column i is source i: the embedding (0), then v_i (full) or b_i (block; a row's last column
-        is the current block's running sum). Row 0 is ``[1, 0, ..]``; entries a call does not have are 0; every
-        row sums to 1.
-
-        Args:
-            input_ids: [B, T] token ids.
-            attention_mask: [B, T], 1 = a real token; padded positions are left out of the average.
-            per_token: return the weights of every token instead: [B, T, 2L + 1, N_max].
-        Returns:
-            [2L + 1, N_max] float32 (``N_max = 2L + 1`` for full AttnRes, ``N + 1`` with N blocks), or
-            [B, T, 2L + 1, N_max] with ``per_token=True``.
-        """
+        """Every AttnRes call's softmax over its sources, averaged over the real tokens (``attention_mask`` [B, T],
+        1 = real) of ``input_ids`` [B, T]: [2L + 1, N_max] float32 (``N_max`` = 2L + 1 full, N + 1 with N blocks), or
+        [B, T, 2L + 1, N_max] with ``per_token``. Row c is the call feeding sub-layer c + 1 (row 2L: the final call;
+        row 0 is ``[1, 0, ..]``); column i is source i: the embedding (0), then v_i (full) or b_i (block; a row's last
+        column is the current block's running sum); entries a call does not have are 0; every row sums to 1."""
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}; "
                              f"got {tuple(attention_mask.shape)}")
@@ -294,8 +283,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, LlamaForCausalLM):
     """
 
     def __init__(self, config: AttnResConfig):
-        # Past LlamaForCausalLM.__init__ (which builds a LlamaModel) to the pretrained-model base; the config is
-        # checked by AttnResModel's (AttnResPreTrainedModel's) __init__.
+        # Past LlamaForCausalLM.__init__ (which builds a LlamaModel); AttnResPreTrainedModel checks the config.
         super(LlamaForCausalLM, self).__init__(config)
         self.model = AttnResModel(config)
         self.vocab_size = config.vocab_size
