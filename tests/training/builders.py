@@ -1,4 +1,4 @@
-"""Tiny models of the three families for the training / PEFT / parallelism tests."""
+"""Tiny models of the families for the training / PEFT / parallelism tests."""
 
 from __future__ import annotations
 
@@ -42,3 +42,33 @@ def token_batch(vocab_size: int = 100, batch: int = 2, tokens: int = 12, seed: i
     """Random token ids [batch, tokens]."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (batch, tokens), generator=generator)
+
+
+def tiny_attnres(seed: int = 0, **overrides) -> depthfusion_hf.AttnResForCausalLM:
+    """A 4-block width-64 block AttnRes (S = 3) with pseudo-queries off zero and key-norm weights off one."""
+    torch.manual_seed(seed)
+    model = depthfusion_hf.AttnResForCausalLM(depthfusion_hf.AttnResConfig(**(DECODER | {"attnres_block_size": 3}
+                                                                             | overrides))).eval()
+    with torch.no_grad():  # a far-from-uniform softmax, so that a wrong path changes the logits
+        for name, param in model.named_parameters():
+            if name.endswith(".query"):
+                param.normal_(0.0, 0.5)
+            elif name.endswith(".key_norm_weight"):
+                param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+def tiny_mhc(seed: int = 0, **overrides) -> depthfusion_hf.MHCForCausalLM:
+    """A 4-block width-64 mHC (n = 4 streams) with fn, base and scale off their init (pre, post, comb far from
+    uniform)."""
+    torch.manual_seed(seed)
+    model = depthfusion_hf.MHCForCausalLM(depthfusion_hf.MHCConfig(**(DECODER | {"hc_mult": 4} | overrides))).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith((".fn", ".hc_fn")):
+                param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+            elif name.endswith((".base", ".hc_base")):
+                param.normal_()
+            elif name.endswith((".scale", ".hc_scale")):
+                param.add_(0.3 * torch.randn_like(param))
+    return model

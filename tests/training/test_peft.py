@@ -1,7 +1,8 @@
-"""LoRA (PEFT) on the three families: trainable parameters, adapter save/load, merge_and_unload.
+"""LoRA (PEFT) on every family: trainable parameters, adapter save/load, merge_and_unload.
 
-The target modules are the ones ``docs/PEFT.md`` documents; the DWA weights (DenseFormer ``model.dwa``)
-and the DWAtt fusion head and classifier are trained in full through ``modules_to_save``.
+The target modules are the ones ``docs/PEFT.md`` documents; the depth-fusion modules (DenseFormer's DWA weights
+``model.dwa``, AttnRes's calls, mHC's hyper-connections and head, the DWAtt fusion head and classifier) are
+trained in full through ``modules_to_save``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from .builders import tiny_denseformer, tiny_dwatt, tiny_moda, token_batch
+from .builders import tiny_attnres, tiny_denseformer, tiny_dwatt, tiny_mhc, tiny_moda, token_batch
 
 DECODER_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SETUPS = {
@@ -20,6 +21,12 @@ SETUPS = {
                         modules_to_save=["dwa"], full=["model.dwa"]),
     "moda": dict(build=tiny_moda, task_type="CAUSAL_LM", target_modules=DECODER_TARGETS + ["ffn_kv_proj"],
                  modules_to_save=None, full=[]),
+    "attnres": dict(build=tiny_attnres, task_type="CAUSAL_LM", target_modules=DECODER_TARGETS,
+                    modules_to_save=["mlp_res", "output_res"],
+                    full=[f"model.layers.{i}.{call}" for i in range(4) for call in ("mlp_res", "output_res")]),
+    "mhc": dict(build=tiny_mhc, task_type="CAUSAL_LM", target_modules=DECODER_TARGETS,
+                modules_to_save=["attn_hc", "ffn_hc", "hc_head"],
+                full=[f"model.layers.{i}.{hc}" for i in range(4) for hc in ("attn_hc", "ffn_hc")] + ["model.hc_head"]),
     "dwatt": dict(build=tiny_dwatt, task_type="TOKEN_CLS", target_modules=["query", "key", "value"],
                   modules_to_save=["fusion", "classifier"], full=["fusion", "classifier"]),
 }
@@ -59,7 +66,7 @@ def base_name(peft_name: str) -> str:
     return name
 
 
-@pytest.mark.parametrize("family", ["denseformer", "moda", "dwatt"])
+@pytest.mark.parametrize("family", list(SETUPS))
 def test_only_lora_and_saved_modules_are_trainable(family):
     model = lora_model(family)
     setup = SETUPS[family]
@@ -87,7 +94,7 @@ def test_only_lora_and_saved_modules_are_trainable(family):
         assert grad is not None and grad.abs().sum() > 0 or ".lora_A." in name, name
 
 
-@pytest.mark.parametrize("family", ["denseformer", "moda", "dwatt"])
+@pytest.mark.parametrize("family", list(SETUPS))
 def test_adapter_save_load_and_merge_give_identical_logits(family, tmp_path):
     model = lora_model(family)
     ids = token_batch(100, seed=3)
@@ -103,8 +110,8 @@ def test_adapter_save_load_and_merge_give_identical_logits(family, tmp_path):
     if family == "denseformer":
         dwa_keys = [k for k in saved if ".dwa." in k]
         assert dwa_keys and "alphas" in dwa_keys[0]
-    if family == "dwatt":
-        assert any(".fusion." in k for k in saved) and any(".classifier." in k for k in saved)
+    for module in SETUPS[family]["full"]:  # every fully trained module's weights are in the adapter file
+        assert any(f"{module}." in k for k in saved), module
 
     fresh = SETUPS[family]["build"]()  # the same seed: the same base weights
     reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
@@ -134,3 +141,30 @@ def test_dwa_weights_train_through_modules_to_save():
     torch.testing.assert_close(merged.model.dwa.alphas, copy)
     start = merged.model.dwa.offsets[2]  # the dense view reads the trained weights: row of block 2 = alpha[2, 0..2]
     torch.testing.assert_close(merged.dwa_weights()[1, :3], copy.detach()[start : start + 3])
+
+
+@pytest.mark.parametrize("family", ["attnres", "mhc"])
+def test_depth_modules_train_through_modules_to_save_and_the_base_stays_frozen(family):
+    model = lora_model(family)
+    name = SETUPS[family]["full"][-1]
+    wrapper = model.get_submodule(f"base_model.model.{name}")
+    original = {k: p.detach().clone() for k, p in wrapper.original_module.named_parameters()}
+    train_a_little(model)
+    copy = dict(wrapper.modules_to_save["default"].named_parameters())
+    assert all(torch.equal(p, original[k]) for k, p in wrapper.original_module.named_parameters())
+    assert any(not torch.equal(copy[k], original[k]) for k in original)  # the copy trained
+    merged = model.merge_and_unload()
+    for k, p in merged.get_submodule(name).named_parameters():
+        torch.testing.assert_close(p, copy[k])
+
+
+@pytest.mark.parametrize("family", ["attnres", "mhc"])
+def test_lora_on_q_and_v_only_leaves_the_depth_modules_frozen(family):
+    model = get_peft_model(SETUPS[family]["build"](), LoraConfig(r=2, lora_alpha=4, task_type="CAUSAL_LM",
+                                                                 target_modules=["q_proj", "v_proj"]))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(("q_proj.lora_" in n or "v_proj.lora_" in n) for n in trainable)
+    ids = token_batch(100)
+    before = logits(model, ids)
+    train_a_little(model)
+    assert not torch.allclose(logits(model, ids), before, atol=1e-5)
