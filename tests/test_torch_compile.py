@@ -34,6 +34,7 @@ VARIANTS = {
     "attnres-full": lambda: depthfusion_hf.AttnResForCausalLM(depthfusion_hf.AttnResConfig(**DECODER)),
     "attnres-block3": lambda: depthfusion_hf.AttnResForCausalLM(
         depthfusion_hf.AttnResConfig(**DECODER, attnres_block_size=3)),
+    "mhc": lambda: depthfusion_hf.MHCForCausalLM(depthfusion_hf.MHCConfig(**DECODER, hc_mult=4, hc_sinkhorn_iters=3)),
 }
 
 
@@ -93,8 +94,9 @@ def test_compiled_training_matches_eager(name, list_path, monkeypatch):
             opt.zero_grad()
 
 
-# Decoding paths: DenseFormer's DWA decode step, MoDA's one-token step, AttnRes's DepthBuffer with block sums.
-DECODE_VARIANTS = ["denseformer-2x1", "moda", "attnres-block3"]
+# Decoding on a cache: DenseFormer's DWA over the cached block outputs, MoDA's depth entries of one token,
+# AttnRes's block sums, mHC's streams of one token.
+DECODE_VARIANTS = ["denseformer-2x1", "moda", "attnres-block3", "mhc"]
 
 
 @pytest.mark.parametrize("name", DECODE_VARIANTS)

@@ -102,6 +102,18 @@ def copy_llama_weights(source: LlamaForCausalLM, target: torch.nn.Module, new_ke
         raise ValueError(f"Llama weights do not fit the target: unexpected={unexpected}, missing={missing}")
 
 
+def load_llama_start(model: torch.nn.Module, llama_state: dict[str, torch.Tensor]) -> bool:
+    """Load a Llama's state dict into the family ``model`` (its own new parameters untouched) and retie the
+    embeddings; returns False, changing nothing, when a Llama tensor's name or shape is not the model's."""
+    own = model.state_dict()
+    if any(name not in own or own[name].shape != value.shape for name, value in llama_state.items()):
+        return False
+    model.load_state_dict(llama_state, strict=False)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return True
+
+
 def llama_to_denseformer(
     model_or_path: LlamaForCausalLM | str | os.PathLike,
     dwa_dilation: int = 1,

@@ -27,7 +27,7 @@ from transformers import (
     set_seed,
 )
 
-from ..convert import llama_config_fields, load_llama
+from ..convert import llama_config_fields, load_llama, load_llama_start
 from ..data.textfile import DataFormatError, read_text
 from ..families import FAMILIES, Family, causal_lm_families
 from ..remote_code import save_model_folder
@@ -168,14 +168,8 @@ def start_from_seeded_llama(model: PreTrainedModel, tokenizer, seed: int) -> boo
     """Load into ``model`` the weights of the Llama that ``seed`` builds at its shape (the same-seed baseline's start;
     the family's own new parameters keep their seeded init). Returns False, changing nothing, when they do not fit."""
     set_seed(seed)
-    llama_state = build_model(BASELINE, baseline_arch(model), tokenizer).state_dict()
-    own = model.state_dict()
-    if any(name not in own or own[name].shape != value.shape for name, value in llama_state.items()):
-        return False
-    model.load_state_dict(llama_state, strict=False)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
-    return True
+    return load_llama_start(model, build_model(BASELINE, baseline_arch(model), tokenizer).state_dict())
+
 
 
 def new_parameter_names(model: PreTrainedModel, llama_names: Iterable[str] | None = None) -> list[str]:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedModel, set_seed
 
-from ...convert import load_llama
+from ...convert import load_llama, load_llama_start
 from ...families import FAMILIES
 from ..clm import BASELINE, TrainSettings, build_config, build_model, new_parameter_names, run_name
 from .data import StudyData
@@ -40,14 +40,7 @@ def build_seeded_pair(spec: ModelSpec, arch: dict, layers: int, seed: int, token
                          "a model trained from scratch has no Llama to convert")
     config = build_config(spec.kind, fields, **spec_fields)
     model = build_model(spec.kind, tokenizer=tokenizer, config=config)
-    own = model.state_dict()
-    llama_state = llama.state_dict()
-    if any(k not in own or own[k].shape != v.shape for k, v in llama_state.items()):
-        return model, "own"
-    model.load_state_dict(llama_state, strict=False)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
-    return model, "shared"
+    return model, "shared" if load_llama_start(model, llama.state_dict()) else "own"
 
 
 def run_compare_grid(
