@@ -140,14 +140,10 @@ def check_op_backend(config: LlamaConfig) -> None:
 class DenseFormerConfig(LlamaConfig):
     r"""Configuration of a DenseFormer (Pagliardini et al., 2024, arXiv 2402.02622).
 
-    A Llama decoder (RMSNorm, RoPE, SwiGLU, GQA; every Llama field keeps its meaning) with a
-    Depth-Weighted Average after every ``dwa_period``-th block. The DWA after block ``i`` mixes the
-    block outputs ``X_j`` with ``j <= i`` and ``j ≡ i (mod dwa_dilation)`` (``X_0`` = embeddings).
-
-    Every field is validated, the inherited Llama ones too (``rms_norm_eps`` finite and > 0, ``hidden_act`` a
-    known activation, special token ids inside the vocabulary, RoPE parameters finite and > 0, ...), and an
-    unknown key that looks like a family option (``dwa_dilaton``, ``moda_ffn_kv``) is an error naming the nearest
-    valid field.
+    A Llama decoder (every Llama field keeps its meaning) with a Depth-Weighted Average after every
+    ``dwa_period``-th block; the DWA after block ``i`` mixes the block outputs ``X_j`` with ``j <= i`` and
+    ``j ≡ i (mod dwa_dilation)`` (``X_0`` = embeddings). Every field is validated, the Llama ones too, and an
+    unknown key that looks like a family option (``dwa_dilaton``, ``moda_ffn_kv``) is an error naming the nearest.
 
     Args:
         dwa_dilation (`int`, defaults to 1): k, the dilation; 1 connects every earlier block.
@@ -155,9 +151,8 @@ class DenseFormerConfig(LlamaConfig):
         dwa_period (`int`, defaults to 1): p, a DWA step after block ``i`` only when ``p | i``.
             Allowed: ``1 <= p <= num_hidden_layers``.
         op_backend (`str` or None, defaults to None): which implementation of the family's op runs:
-            ``"reference"`` (the paper's loop), ``"torch"`` (vectorised PyTorch), ``"triton"`` (the fused
-            kernel, CUDA), or None / ``"auto"`` (Triton for CUDA tensors when it imports, else PyTorch). An
-            op's ``backend=`` argument and ``$DEPTHFUSION_BACKEND`` take precedence over it.
+            ``"reference"``, ``"torch"``, ``"triton"``, or None / ``"auto"`` (Triton for CUDA tensors when it
+            imports, else PyTorch). The op's ``backend=`` argument and ``$DEPTHFUSION_BACKEND`` take precedence.
 
     Example:
         >>> config = DenseFormerConfig(num_hidden_layers=12, dwa_dilation=4, dwa_period=5)
@@ -179,11 +174,8 @@ class DenseFormerConfig(LlamaConfig):
         self.check_fields()
 
     def check_fields(self) -> None:
-        """Validate every field; raise a ValueError naming the field and its allowed values.
-
-        Runs at construction and again when a model is built from this config, so that a field
-        changed after construction (e.g. ``config.dwa_dilation = 0``) gets the same error.
-        """
+        """Raise a ValueError naming an invalid field and its allowed values; also run when a model is built
+        (a field changed after construction, e.g. ``config.dwa_dilation = 0``, gets the same error)."""
         check_llama_shapes(self)
         check_llama_values(self)
         check_op_backend(self)

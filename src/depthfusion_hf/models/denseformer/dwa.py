@@ -5,30 +5,22 @@ One entry point, :func:`depth_weighted_average`, and three implementations behin
 =================  ==========================================================================================
 backend            implementation
 =================  ==========================================================================================
-``"reference"``    :func:`dwa_reference`: the paper's loop (Listing 1); autograd differentiates it. The oracle.
-``"torch"``        :func:`dwa_torch`: one custom autograd Function over the *list* of sources (never stacked;
-                   the backward saves only references to the inputs and is written in differentiable torch
-                   ops, so ``create_graph=True`` works). Sources of at most ``SMALL_NUMEL`` elements (cached
-                   decoding) are stacked into one matrix-vector product there instead (two kernels, not N).
+``"reference"``    :func:`dwa_reference`: the paper's loop (Listing 1), differentiated by autograd. The oracle.
+``"torch"``        :func:`dwa_torch`: one autograd Function over the *list* of sources (never stacked; it saves
+                   only references to the inputs; its backward is differentiable torch ops). Sources of at most
+                   ``SMALL_NUMEL`` elements (cached decoding) take one stacked matrix-vector product instead.
 ``"triton"``       ``dwa_triton.triton_depth_weighted_average``: fused kernels for CUDA tensors (CPU tensors
-                   under ``TRITON_INTERPRET=1``); float64 is routed to ``"torch"`` (the kernels accumulate in
-                   fp32). fp32 runs on the kernel too: the op is memory-bound (elementwise FMAs, no tensor
-                   cores), so fp32 costs its bytes and nothing else (no TF32 question arises).
+                   under ``TRITON_INTERPRET=1``); float64 goes to ``"torch"`` (the kernels accumulate in fp32).
 =================  ==========================================================================================
 
 Which one runs (:func:`resolve_backend`): the ``backend`` argument, else ``$DEPTHFUSION_BACKEND``, else the
 model config's ``op_backend``, else automatic (Triton for CUDA tensors when it imports, else PyTorch).
 
-One compute dtype, decided here for every backend (:func:`compute_dtype`): the promoted dtype of the states
-and weights, also under autocast. The DWA is the residual stream's weighted sum: autocast lowers matmuls, not
-sums, and a Llama's residual ``x + f(x)`` stays fp32 under bf16 autocast (an fp32 embedding plus bf16 block
-outputs), so a DenseFormer's does too. It is the output's dtype. Every path reads each source and weight in its
-own dtype, accumulates in fp32 (float64 when the compute dtype is float64) and rounds the sum once; a source's
-gradient ``w[n] * g`` is rounded once to that source's dtype, the weights' gradient to theirs. Sources may differ
-in dtype (under autocast an fp32 embedding is followed by bf16 block outputs); nothing is cast or copied for that.
-
-This file must stay self-contained (only ``torch`` and same-folder relative imports): it is copied next to
-the model code by ``save_pretrained`` for ``trust_remote_code`` loading.
+The compute (and output) dtype, for every backend (:func:`compute_dtype`), is the promoted dtype of the states
+and weights, also under autocast: the DWA is the residual stream's sum, which autocast does not lower (a Llama's
+``x + f(x)`` stays fp32 under bf16 autocast). Every path reads each source and weight in its own dtype (they
+may differ: an fp32 embedding among bf16 block outputs), accumulates in fp32 (float64 for float64) and rounds
+once; a source's gradient ``w[n] * g`` is rounded once to that source's dtype, the weights' to theirs.
 """
 
 from __future__ import annotations
@@ -122,19 +114,14 @@ def _as_list(states: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor
 
 
 def _check_inputs(sources: list[torch.Tensor], weights: torch.Tensor) -> None:
-    """Raise a ValueError naming the problem unless every backend computes these inputs correctly.
-
-    Cheap (attribute reads only, no host synchronisation): a model calls the op once per DWA step.
-    """
+    """Raise a ValueError naming the problem unless every backend computes these inputs correctly (attribute
+    reads only, no host synchronisation)."""
     if len(sources) == 0:
         raise ValueError("states must hold at least one tensor (N >= 1)")
-    first = sources[0]
-    if not isinstance(first, torch.Tensor):
-        raise ValueError(f"states must be a tensor [N, *S] or a sequence of tensors; states[0] is {type(first)}")
-    shape, device = first.shape, first.device
     for n, x in enumerate(sources):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"states must be a tensor [N, *S] or a sequence of tensors; states[{n}] is {type(x)}")
+        shape, device = sources[0].shape, sources[0].device
         if x.shape != shape or x.device != device:
             raise ValueError(
                 f"all states must share shape and device; states[0] is {tuple(shape)} on {device}, "
@@ -155,8 +142,7 @@ def _check_inputs(sources: list[torch.Tensor], weights: torch.Tensor) -> None:
 
 
 def compute_dtype(sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.dtype:
-    """The op's one compute (and output) dtype, for every backend: the promoted dtype of the states and the
-    weights (autocast does not lower it: see the module docstring)."""
+    """The op's compute (and output) dtype: the promoted dtype of the states and the weights."""
     dtype = weights.dtype
     for x in sources:
         if x.dtype != dtype:
@@ -177,15 +163,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def dwa_reference(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The paper's loop: ``sum_n weights[n] * sources[n]``, accumulated in fp32 (float64 for float64).
-
-    Args:
-        sources: N tensors of the same shape S (dtypes may differ).
-        weights: [N].
-        dtype: the compute dtype (:func:`compute_dtype`).
-    Returns:
-        [*S] in ``dtype``.
-    """
+    """The paper's loop: N sources of shape S, weights [N] -> ``sum_n weights[n] * sources[n]`` [*S] in the
+    compute dtype ``dtype``, accumulated in fp32 (float64 for float64)."""
     acc = accumulation_dtype(dtype)
     out = sources[0].to(acc) * weights[0].to(acc)
     for n in range(1, len(sources)):
@@ -193,8 +172,7 @@ def dwa_reference(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype:
     return out.to(dtype)
 
 
-# Below this many elements per source, stacking the sources and one matrix-vector product beat N
-# per-source kernels (decoding: a few hundred elements, where per-op overhead dominates).
+# Up to this many elements per source (decoding), one stacked matrix-vector product beats N per-source kernels.
 SMALL_NUMEL = 1 << 14
 
 
@@ -211,12 +189,8 @@ def _source_gradient(grad_out: torch.Tensor, weight: torch.Tensor | float, dtype
 
 
 class _DepthWeightedAverage(torch.autograd.Function):
-    """``out = sum_n w[n] * x[n]`` over a list of sources, without stacking them.
-
-    Forward: one fused multiply-add per source into a single fp32 (float64) buffer, rounded once to the
-    compute dtype. Backward: ``grad_x[n] = w[n] * g`` and ``grad_w[n] = <g, x[n]>`` (a dot product per
-    source). Only references to the inputs are saved: nothing is stored twice.
-    """
+    """``out = sum_n w[n] * x[n]``: one multiply-add per source into one fp32 (float64) buffer, rounded once;
+    backward ``grad_x[n] = w[n] * g``, ``grad_w[n] = <g, x[n]>``. Saves only references to the inputs."""
 
     @staticmethod
     def forward(ctx, dtype: torch.dtype, weights: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
@@ -234,34 +208,35 @@ class _DepthWeightedAverage(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        with autocast_disabled(grad_out.device.type):  # a backward called under autocast keeps the op's dtypes
-            return _DepthWeightedAverage.gradients(ctx, grad_out)
-
-    @staticmethod
-    def gradients(ctx, grad_out: torch.Tensor):
         weights, *sources = ctx.saved_tensors
         acc_dtype = accumulation_dtype(grad_out.dtype)
-        grad_weights = None
-        if ctx.needs_input_grad[1]:
-            g = grad_out.reshape(-1).to(acc_dtype)
-            grad_weights = torch.stack([torch.dot(g, x.reshape(-1).to(acc_dtype)) for x in sources])
-            grad_weights = grad_weights.to(weights.dtype)
-        # The weight stays in the accumulation dtype (a 0-d operand or a Python scalar does not promote
-        # the result), so a half-precision gradient is rounded once, like the fused kernel's. Under
-        # create_graph the weights must stay tensors so that double backward reaches them.
-        w = weights.to(acc_dtype)
-        if not torch.is_grad_enabled():
-            w = _scalar_weights(w.detach())
-        grad_sources = [
-            _source_gradient(grad_out, w[n], x.dtype) if ctx.needs_input_grad[n + 2] else None
-            for n, x in enumerate(sources)
-        ]
+        with autocast_disabled(grad_out.device.type):  # a backward called under autocast keeps the op's dtypes
+            grad_weights = None
+            if ctx.needs_input_grad[1]:
+                g = grad_out.reshape(-1).to(acc_dtype)
+                grad_weights = torch.stack([torch.dot(g, x.reshape(-1).to(acc_dtype)) for x in sources])
+                grad_weights = grad_weights.to(weights.dtype)
+            # The weight stays in the accumulation dtype (a 0-d operand or a Python scalar does not promote
+            # the result), so a half-precision gradient is rounded once, like the fused kernel's. Under
+            # create_graph the weights must stay tensors so that double backward reaches them.
+            w = weights.to(acc_dtype)
+            if not torch.is_grad_enabled():
+                w = _scalar_weights(w.detach())
+            grad_sources = [
+                _source_gradient(grad_out, w[n], x.dtype) if ctx.needs_input_grad[n + 2] else None
+                for n, x in enumerate(sources)
+            ]
         return (None, grad_weights, *grad_sources)
 
 
-def _dwa_small(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Few elements per source: stack them in fp32 (float64), [N, M] (a negligible copy), and one
-    matrix-vector product; plain autograd ops, rounded once to ``dtype``."""
+def dwa_torch(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Vectorised PyTorch DWA: N sources of shape S, weights [N] -> [*S] in ``dtype`` (:class:`_DepthWeightedAverage`).
+
+    At most ``SMALL_NUMEL`` elements per source (cached decoding): the sources stacked in fp32 (float64), [N, M]
+    (a negligible copy), and one matrix-vector product of plain autograd ops: two kernels instead of N.
+    """
+    if sources[0].numel() > SMALL_NUMEL:
+        return _DepthWeightedAverage.apply(dtype, weights, *sources)
     acc_dtype = accumulation_dtype(dtype)
     stacked = torch.stack([x if x.dtype == acc_dtype else x.to(acc_dtype) for x in sources])
     w = weights if weights.dtype == acc_dtype else weights.to(acc_dtype)
@@ -269,33 +244,14 @@ def _dwa_small(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype: to
     return out.to(dtype).view(sources[0].shape)
 
 
-def dwa_torch(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Vectorised PyTorch DWA over a list of sources (see :class:`_DepthWeightedAverage`).
-
-    Sources of at most ``SMALL_NUMEL`` elements (cached decoding) take a stacked matrix-vector product
-    instead, which costs two kernels instead of N.
-
-    Args:
-        sources: N tensors of the same shape S (dtypes may differ).
-        weights: [N].
-        dtype: the compute dtype (:func:`compute_dtype`).
-    Returns:
-        [*S] in ``dtype``.
-    """
-    if sources[0].numel() <= SMALL_NUMEL:
-        return _dwa_small(sources, weights, dtype)
-    return _DepthWeightedAverage.apply(dtype, weights, *sources)
-
-
 def depth_weighted_average(
     states: torch.Tensor | Sequence[torch.Tensor],
     weights: torch.Tensor,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Depth-Weighted Average: ``sum_n weights[n] * states[n]``, differentiable in both.
+    """Depth-Weighted Average: ``sum_n weights[n] * states[n]``, differentiable in both (every order).
 
-    The op's only entry point (models call it once per DWA step with the backend they resolved once per
-    forward). The module docstring has the dispatch table and the dtype rules.
+    The op's only entry point; the module docstring has the dispatch table and the dtype rules.
 
     Args:
         states: a tensor [N, *S] or a sequence of N tensors of shape S on one device (any strides; dtypes
@@ -305,8 +261,7 @@ def depth_weighted_average(
             ``$DEPTHFUSION_BACKEND``, default ``"auto"``).
     Returns:
         Tensor of shape S in the compute dtype (the promoted dtype of states and weights, also under
-        autocast), accumulated in fp32 (float64 for float64). Gradients of every
-        order (``create_graph=True``) are supported by every backend.
+        autocast), accumulated in fp32 (float64 for float64).
     Raises:
         ValueError: when the shapes or devices disagree, a dtype is not one of the floating-point ones above
             (integer and bool tensors are rejected, not truncated), or the backend is unknown or cannot run

@@ -1,28 +1,20 @@
 """Fused Triton kernels for the Depth-Weighted Average ``y = sum_n w[n] * x[n]``.
 
-The sources are kernel arguments: up to ``SOURCES_PER_LAUNCH`` (16) pointer arguments per launch, the
-number in use a run-time argument (uniform branches, so one compilation serves every N); more sources
-take chained launches that carry an fp32 partial sum.
-Nothing is built on the host per call (no table of data pointers), so the launches can be captured in a
-CUDA graph and traced by dynamo, and each source is read with its own element type (Triton specialises
-every pointer argument on its dtype and 16-byte alignment: vector loads, and mixed-dtype sources, such as
-an fp32 embedding followed by bf16 block outputs under autocast, are read correctly).
+The sources are pointer arguments, up to ``SOURCES_PER_LAUNCH`` (16) per launch with the number in use a
+run-time argument (one compilation serves every N); more sources take chained launches carrying an fp32 partial
+sum. Nothing is built on the host per call (no pointer table: CUDA graphs and dynamo work), and each source is
+read in its own dtype with 16-byte vector loads (Triton specialises every pointer on dtype and alignment).
 
-- forward  (:func:`dwa_fwd_kernel`): each program owns ``BLOCK`` elements of the flattened shape S,
-  accumulates ``w[n] * x_n`` in fp32 over its launch's sources (plus the partial sum of the previous
-  launch) and writes the result once, in the output's dtype (or the fp32 partial for the next launch).
-- backward (:func:`dwa_bwd_kernel`): each program loads its block of the output gradient ``g`` once per
-  launch, writes ``dx_n = w[n] * g`` (rounded once to ``x_n``'s dtype) and its block's partial dot products
-  ``<g, x_n>`` into an fp32 ``[num_blocks, N]`` buffer; a deterministic sum over blocks gives ``dw``.
+- forward (:func:`dwa_fwd_kernel`): a program accumulates ``w[n] * x_n`` over ``BLOCK`` elements in fp32 and
+  writes the result once in the output's dtype (or the fp32 partial for the next launch).
+- backward (:func:`dwa_bwd_kernel`): a program reads its block of ``g`` once, writes ``dx_n = w[n] * g``
+  (rounded once to ``x_n``'s dtype) and the partial dot products ``<g, x_n>`` into fp32 ``[num_blocks, N]``,
+  summed over blocks (deterministically) into ``dw``.
 
-Traffic for N <= 16: forward ``(N + 1) M`` elements, backward ``(2N + 1) M`` (M = prod(S)), the minimum
-for this memory-bound op; each further launch of 16 adds an fp32 read and write of M (forward) or a read
-of ``g`` (backward). Offsets are 64-bit (:func:`block_offsets`); launches run under the tensors' CUDA device
-and on its current stream.
-
-Triton is optional: it is imported inside ``try/except`` so that this file (copied next to the
-model code for ``trust_remote_code`` loading) imports everywhere. Without a GPU the kernels run
-under ``TRITON_INTERPRET=1``, which must be set before this module is imported.
+Traffic for N <= 16: forward ``(N + 1) M`` elements, backward ``(2N + 1) M`` (M = prod(S)), the minimum for this
+memory-bound op. Offsets are 64-bit; launches run on the tensors' CUDA device and its current stream. Triton is
+optional (imported in ``try/except``); without a GPU the kernels run under ``TRITON_INTERPRET=1``, which must be
+set before this module is imported.
 """
 
 from __future__ import annotations
@@ -207,8 +199,8 @@ if triton is not None:
 
 
 def launch_config(numel: int) -> tuple[int, int, int]:
-    """``(BLOCK, num_warps, number of blocks)``: 1024 elements per program on GPUs (large blocks when
-    interpreted: fewer simulated programs). Raises a ValueError when the grid would pass CUDA's limit."""
+    """``(BLOCK, num_warps, number of blocks)``: 1024 elements per program on GPUs (larger when interpreted);
+    a ValueError when the grid would pass CUDA's limit."""
     if _INTERPRET:
         block, num_warps = max(16, min(triton.next_power_of_2(max(numel, 1)), INTERPRET_MAX_BLOCK)), 1
     else:
@@ -270,10 +262,8 @@ def dwa_backward(xs: list[torch.Tensor] | None, dxs: list[torch.Tensor] | None, 
 
 
 def _differentiable_grads(needs_input_grad, weights: torch.Tensor, sources, grad_out: torch.Tensor):
-    """The backward from PyTorch ops, so that ``create_graph=True`` records it (the kernels record nothing).
-
-    Same arithmetic as the kernels: fp32 products and sums, one rounding to each gradient's dtype.
-    """
+    """The backward in PyTorch ops, for ``create_graph=True`` (the kernels record nothing); the kernels'
+    arithmetic: fp32 products and sums, one rounding to each gradient's dtype."""
     g = grad_out.float()
     grad_weights = None
     if needs_input_grad[1]:
@@ -319,7 +309,7 @@ class _TritonDepthWeightedAverage(torch.autograd.Function):
 
 def triton_depth_weighted_average(sources: list[torch.Tensor], weights: torch.Tensor,
                                   dtype: torch.dtype) -> torch.Tensor:
-    """Fused DWA: ``sum_n weights[n] * sources[n]``, differentiable in both (called by ``dwa.py``'s dispatcher).
+    """Fused DWA ``sum_n weights[n] * sources[n]``, differentiable in both (called by ``dwa.py``'s dispatcher).
 
     Args:
         sources: N tensors of one shape S on one device (CUDA, or CPU under ``TRITON_INTERPRET=1``), each
@@ -327,11 +317,9 @@ def triton_depth_weighted_average(sources: list[torch.Tensor], weights: torch.Te
         weights: [N] fp32, fp16 or bf16 weights on the same device.
         dtype: the compute (output) dtype, one of ``TRITON_DWA_DTYPES``.
     Returns:
-        [*S] in ``dtype``, accumulated in fp32. Second-order gradients (``create_graph=True``) are computed
-        by PyTorch ops with the same arithmetic.
+        [*S] in ``dtype``, accumulated in fp32.
     Raises:
-        ValueError: for a dtype or device the kernels do not take (float64 goes through the dispatcher,
-            which routes it to the PyTorch path).
+        ValueError: for a dtype (float64 included) or device the kernels do not take.
     """
     if triton is None:
         raise RuntimeError(f"Triton is not available: {_TRITON_IMPORT_ERROR!r}")

@@ -13,6 +13,8 @@ as the identity (``alpha[i, i] = 1``), which makes the DenseFormer *equal* to th
 The DWA is per token, so cached decoding needs no cache beyond the ordinary KV cache.
 """
 
+import itertools
+
 import torch
 from torch import nn
 from transformers import initialization as init
@@ -127,46 +129,31 @@ def dwa_sources(step: int, dilation: int) -> list[int]:
 class DenseFormerDWA(nn.Module):
     """All DWA weights of a k×p DenseFormer, packed in one vector ``alphas``.
 
-    The step after block ``i`` (``p | i``) owns ``|S(i)| = i // k + 1`` consecutive entries, ordered
-    like ``S(i)``; the last one is ``alpha[i, i]``. A 1×1 DenseFormer with d blocks has
+    The step after block ``i`` (``p | i``) owns ``|S(i)| = i // k + 1`` consecutive entries from ``offsets[i]``,
+    ordered like ``S(i)``; the last one is ``alpha[i, i]``. A 1×1 DenseFormer with d blocks has
     ``d (d + 3) / 2`` of them, the only parameters added to the Llama.
     """
 
     def __init__(self, num_layers: int, dilation: int, period: int):
         super().__init__()
-        self.num_layers = num_layers
-        self.dilation = dilation
-        self.period = period
-        self.steps = [i for i in range(1, num_layers + 1) if i % period == 0]
+        self.num_layers, self.dilation, self.period = num_layers, dilation, period
+        self.steps = list(range(period, num_layers + 1, period))
         self.sources = {i: dwa_sources(i, dilation) for i in self.steps}
-        self.offsets: dict[int, int] = {}
-        total = 0
-        for i in self.steps:
-            self.offsets[i] = total
-            total += len(self.sources[i])
-        self.alphas = nn.Parameter(self.identity_alphas(total))
+        sizes = [len(self.sources[i]) for i in self.steps]
+        self.offsets = dict(zip(self.steps, itertools.accumulate([0, *sizes])))
+        self.alphas = nn.Parameter(self.identity_alphas(sum(sizes)))
         # Block outputs that some later DWA step reads; the others need not be kept.
         self.needed = sorted({j for i in self.steps for j in self.sources[i]})
 
     def forward(self, sources: list[torch.Tensor], step: int, backend: str | None = None) -> torch.Tensor:
-        """The DWA step after block ``step``: ``sum_j alpha[step, j] X_j`` over ``sources``.
-
-        Args:
-            sources: the block outputs ``X_j`` for ``j`` in ``S(step)``, in that order, each [B, T, D].
-            step: the block index ``i`` (``p | i``).
-            backend: the backend the model resolved once for this forward (:func:`resolve_backend`); None
-                resolves it here.
-        Returns:
-            ``Y_step``: [B, T, D].
-        """
+        """``Y_step = sum_j alpha[step, j] X_j``: ``sources`` the X_j [B, T, D] for j in ``S(step)``, in order;
+        ``backend`` the one the model resolved for this forward (None: resolved here). Returns [B, T, D]."""
         return depth_weighted_average(sources, self.step_weights(step), backend=backend)
 
     def identity_alphas(self, total: int | None = None) -> torch.Tensor:
         """The initial weights: ``alpha[i, i] = 1`` and 0 elsewhere (the DenseFormer is a plain transformer)."""
-        total = self.alphas.numel() if total is None else total
-        values = torch.zeros(total)
-        for i in self.steps:
-            values[self.offsets[i] + len(self.sources[i]) - 1] = 1.0
+        values = torch.zeros(self.alphas.numel() if total is None else total)
+        values[[self.offsets[i] + len(self.sources[i]) - 1 for i in self.steps]] = 1.0
         return values
 
     def step_weights(self, step: int) -> torch.Tensor:
@@ -175,16 +162,12 @@ class DenseFormerDWA(nn.Module):
         return self.alphas[start : start + len(self.sources[step])]
 
     def weight_matrix(self) -> torch.Tensor:
-        """Dense view for plotting: [d, d + 1], row ``i - 1`` holds ``alpha[i, j]`` (0 where unconnected).
-
-        Rows of blocks without a DWA step hold the implicit identity ``alpha[i, i] = 1``.
-        """
+        """Dense view for plotting: [d, d + 1], row ``i - 1`` holds ``alpha[i, j]`` (0 where unconnected, the
+        implicit identity ``alpha[i, i] = 1`` for blocks without a DWA step)."""
         matrix = torch.zeros(self.num_layers, self.num_layers + 1, dtype=self.alphas.dtype)
-        alphas = self.alphas.detach().cpu()
         for i in range(1, self.num_layers + 1):
             if i in self.offsets:
-                start = self.offsets[i]
-                matrix[i - 1, self.sources[i]] = alphas[start : start + len(self.sources[i])]
+                matrix[i - 1, self.sources[i]] = self.step_weights(i).detach().cpu()
             else:
                 matrix[i - 1, i] = 1.0
         return matrix
@@ -198,8 +181,7 @@ class DenseFormerDecoderLayer(LlamaDecoderLayer):
 
 
 class DenseFormerPreTrainedModel(LlamaPreTrainedModel):
-    """Weight initialisation and the transformers capabilities shared by DenseFormer models (Llama's, plus the
-    identity DWA)."""
+    """Llama's weight initialisation and capabilities, plus the identity DWA."""
 
     config: DenseFormerConfig
     config_class = DenseFormerConfig
@@ -244,12 +226,6 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
-
     def dwa_weights(self) -> torch.Tensor:
         """The learned DWA weights as a dense [d, d + 1] matrix (0 where not connected)."""
         return self.dwa.weight_matrix()
@@ -279,16 +255,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
             self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
-        hidden_states = self.run_layers(
-            inputs_embeds, causal_mask, position_embeddings, position_ids, cache, use_cache, **kwargs
-        )
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
-
-    def run_layers(self, hidden_states: torch.Tensor, causal_mask: torch.Tensor | None,
-                   position_embeddings: tuple[torch.Tensor, torch.Tensor], position_ids: torch.LongTensor,
-                   cache: Cache | None, use_cache: bool | None, **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
-        """The blocks and their DWA steps: embeddings [B, T, D] -> the last Y_d [B, T, D] (before the final norm)."""
+        hidden_states = inputs_embeds
         # Differs from Llama: keep the block outputs X_j that later DWA steps read (X_0 = embeddings).
         needed = self.dwa.needed
         block_outputs: dict[int, torch.Tensor] = {0: hidden_states} if 0 in needed else {}
@@ -314,7 +281,8 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                 if device not in backends:
                     backends[device] = resolve_backend(None, device, self.config.op_backend)
                 hidden_states = self.dwa(sources, i, backend=backends[device])
-        return hidden_states
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
 class DenseFormerForCausalLM(DenseFormerPreTrainedModel, LlamaForCausalLM):
@@ -332,9 +300,7 @@ class DenseFormerForCausalLM(DenseFormerPreTrainedModel, LlamaForCausalLM):
     """
 
     def __init__(self, config: DenseFormerConfig):
-        # Past LlamaForCausalLM.__init__ (which builds a LlamaModel) to the pretrained-model base; the config is
-        # checked by DenseFormerModel's (DenseFormerPreTrainedModel's) __init__.
-        super(LlamaForCausalLM, self).__init__(config)
+        super(LlamaForCausalLM, self).__init__(config)  # past LlamaForCausalLM.__init__, which builds a LlamaModel
         self.model = DenseFormerModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

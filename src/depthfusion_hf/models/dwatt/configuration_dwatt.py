@@ -1,9 +1,7 @@
 """DWAtt configuration: any Hugging Face encoder (as a sub-config) plus a layer-fusion head.
 
-The fusion heads are listed in one table, ``FUSION_HEADS`` (``fusion_dwatt.py``): each head validates
-and completes its own fields and counts its parameters, so that the config can size the ``concat`` and
-``deeper`` baselines to the DWAtt head's budget when it is built, and store the chosen widths in
-``config.json``. The parameter arithmetic (plain integers) is in ``sizes_dwatt.py``.
+Each head of ``FUSION_HEADS`` (``fusion_dwatt.py``) validates and completes its own fields, so that the config
+sizes the ``concat`` and ``deeper`` baselines to the DWAtt head's budget and stores the widths in ``config.json``.
 """
 
 from __future__ import annotations
@@ -14,22 +12,15 @@ from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .fusion_dwatt import FUSION_HEADS
-
-# The parameter counts are re-exported: this module was their home before sizes_dwatt.py.
 from .sizes_dwatt import check_fraction, concat_head_num_params, deeper_head_num_params, dwatt_head_num_params  # noqa: F401
 
 FUSION_METHODS = tuple(FUSION_HEADS)  # ("dwatt", "concat", "last", "deeper", "last_ln")
 _BACKBONE_HINT = "pass the encoder's config, e.g. BertConfig(...) or {'model_type': 'bert', ...}"
-# The encoder's shape, read from ``backbone_config`` (properties of DWAttConfig, not fields of its own).
-BACKBONE_SHAPE_FIELDS = ("hidden_size", "num_hidden_layers")
 
 
 def check_backbone_dict(backbone: object) -> None:
-    """Reject a ``backbone_config`` that cannot become an encoder config, before transformers builds it.
-
-    Allowed: ``None`` (BERT defaults), a ``PreTrainedConfig`` other than a ``DWAttConfig``, or a dict whose
-    ``model_type`` transformers knows (and is not ``"dwatt"``).
-    """
+    """Allow ``None`` (BERT defaults), a ``PreTrainedConfig`` other than a ``DWAttConfig``, or a dict whose
+    ``model_type`` transformers knows (not ``"dwatt"``); checked before transformers builds the sub-config."""
     if backbone is None:
         return
     if isinstance(backbone, dict):
@@ -56,7 +47,7 @@ def check_backbone_dict(backbone: object) -> None:
 
 def check_no_backbone_shape_kwargs(kwargs: dict) -> None:
     """Reject ``hidden_size`` / ``num_hidden_layers`` given to ``DWAttConfig`` itself: they are the encoder's."""
-    for name in BACKBONE_SHAPE_FIELDS:
+    for name in ("hidden_size", "num_hidden_layers"):
         if name in kwargs:
             raise ValueError(
                 f"`{name}` ({kwargs[name]!r}) belongs to the encoder: set it in `backbone_config` (e.g. "
@@ -166,8 +157,7 @@ class DWAttConfig(PreTrainedConfig):
         ``DWAttForTokenClassification.from_pretrained`` from a BERT folder) becomes the backbone of a default DWAtt
         config, so that the encoder's weights load under ``backbone.`` and the head is initialised."""
         model_type = config_dict.get("model_type")
-        if model_type is not None and model_type != cls.model_type:
-            check_backbone_dict(config_dict)
+        if model_type is not None and model_type != cls.model_type:  # checked as a backbone_config by __post_init__
             config_dict = {"backbone_config": dict(config_dict)}
         return super().from_dict(config_dict, **kwargs)
 
@@ -176,13 +166,8 @@ class DWAttConfig(PreTrainedConfig):
         return self.backbone_config
 
     def check_fields(self) -> None:
-        """Validate every field; raise a ValueError naming the field and its allowed values.
-
-        Runs at construction and again when a model is built from this config, so that a field changed
-        after construction (e.g. ``config.fusion = "mean"`` or ``config.deeper_num_attention_heads = 5``)
-        gets the same error. Every head's fields are checked, whichever head ``fusion`` selects, since
-        the baselines' sizes are stored for all of them.
-        """
+        """Raise a ValueError naming an invalid field; also run when a model is built (a field changed after
+        construction gets the same error). Every head's fields are checked: all their sizes are stored."""
         if self.fusion not in FUSION_HEADS:
             raise ValueError(f"`fusion` must be one of {list(FUSION_METHODS)}; got {self.fusion!r}")
         check_backbone_dict(self.backbone_config)
@@ -192,25 +177,20 @@ class DWAttConfig(PreTrainedConfig):
             head.check_config(self)
         if self.classifier_dropout is not None:
             check_fraction("classifier_dropout", self.classifier_dropout, allow_zero=True)
-        if self.initializer_range is not None and not (
-            isinstance(self.initializer_range, (int, float)) and not isinstance(self.initializer_range, bool)
-            and self.initializer_range > 0
-        ):
+        std = self.initializer_range
+        if std is not None and (isinstance(std, bool) or not isinstance(std, (int, float)) or not std > 0):
             raise ValueError(f"`initializer_range` must be a number > 0; got {self.initializer_range!r}")
 
     @property
-    def hidden_size(self) -> int:
-        """The backbone's width D (also the width of the fused state)."""
+    def hidden_size(self) -> int:  # D, the backbone's (and the fused state's) width
         return self.backbone_config.hidden_size
 
     @property
-    def num_hidden_layers(self) -> int:
-        """The backbone's number of layers L."""
+    def num_hidden_layers(self) -> int:  # L, the backbone's
         return self.backbone_config.num_hidden_layers
 
     @property
-    def vocab_size(self) -> int:
-        """The backbone's vocabulary size (setting it sets the backbone's, as resizing the embeddings does)."""
+    def vocab_size(self) -> int:  # the backbone's (resize_token_embeddings sets it)
         return self.backbone_config.vocab_size
 
     @vocab_size.setter
@@ -218,18 +198,12 @@ class DWAttConfig(PreTrainedConfig):
         self.backbone_config.vocab_size = value
 
     @property
-    def num_states(self) -> int:
-        """L + 1: the embedding output and the output of each of the backbone's L layers."""
+    def num_states(self) -> int:  # L + 1: the embedding output and each layer's output
         return self.backbone_config.num_hidden_layers + 1
 
     @property
-    def bottleneck_size(self) -> int:
-        """DWAtt's MLP bottleneck width ``max(1, round(gamma D))``."""
+    def bottleneck_size(self) -> int:  # DWAtt's MLP bottleneck width max(1, round(gamma D))
         return max(1, round(self.bottleneck_ratio * self.hidden_size))
-
-    def dwatt_head_num_params(self) -> int:
-        """Parameters of the DWAtt fusion head for this backbone (the budget the baselines are sized to)."""
-        return FUSION_HEADS["dwatt"].num_params(self)
 
     def fusion_num_params(self, fusion: str | None = None) -> int:
         """Parameters of a fusion head (``fusion`` defaults to this config's), classifier excluded."""

@@ -65,9 +65,8 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
 
 
 def check_index_range(name: str, ids: torch.Tensor, limit: int, what: str) -> None:
-    """Raise a ValueError naming ``name`` and ``what`` unless every entry of the integer tensor ``ids`` lies in
-    ``[0, limit)`` (on CUDA and under ``torch.compile`` an op instead, as in ``check_token_inputs``: no host sync
-    per forward, no graph break; nothing on meta)."""
+    """Raise a ValueError naming ``name`` and ``what`` unless ``ids`` is an integer tensor in ``[0, limit)`` (the
+    range is an op on CUDA and under ``torch.compile``, as in ``check_token_inputs``; not checked on meta)."""
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor; got {ids.dtype}")
     if ids.device.type == "meta" or ids.numel() == 0:
@@ -81,19 +80,10 @@ def check_index_range(name: str, ids: torch.Tensor, limit: int, what: str) -> No
 
 def check_encoder_inputs(backbone: nn.Module, input_shape: torch.Size, token_type_ids: torch.Tensor | None,
                          position_ids: torch.Tensor | None) -> None:
-    """Reject what the encoder's embedding tables cannot look up, naming the limit (instead of an index error deep
-    inside the backbone).
-
-    Args:
-        backbone: the encoder; its ``embeddings`` module is read when it has BERT-style tables
-            (``position_embeddings`` absolute positions, ``token_type_embeddings``); an encoder without them
-            (relative positions only) has no limit here.
-        input_shape: (B, T).
-        token_type_ids, position_ids: [B, T] or None.
-    Raises:
-        ValueError: T above the encoder's position limit (``max_position_embeddings``, less RoBERTa-style
-            padding offsets), or ids outside the token-type / position tables.
-    """
+    """Raise a ValueError naming the limit (not an index error deep inside the backbone) for ``token_type_ids`` /
+    ``position_ids`` ([B, T] or None) of another shape than ``input_shape`` (B, T), T above the encoder's position
+    limit, or ids outside its BERT-style ``position_embeddings`` / ``token_type_embeddings`` tables (an encoder
+    without them, e.g. relative positions only, has no limit here)."""
     embeddings = getattr(backbone, "embeddings", None)
     for name, ids in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
         if ids is not None and tuple(ids.shape) not in (tuple(input_shape), (1, input_shape[1])):
@@ -121,13 +111,10 @@ def check_encoder_inputs(backbone: nn.Module, input_shape: torch.Size, token_typ
 
 
 def check_token_labels(labels: torch.Tensor, input_shape: torch.Size, num_labels: int) -> None:
-    """``labels`` [B, T]: integer class ids in ``[0, num_labels)`` or -100 (ignored); a ValueError names the shape
-    or the range otherwise (on CUDA the range is a device-side assertion)."""
+    """``labels`` [B, T]: integer class ids in ``[0, num_labels)`` or -100 (ignored); else a ValueError."""
     if tuple(labels.shape) != tuple(input_shape):
         raise ValueError(f"labels must have the inputs' shape {tuple(input_shape)} (one label per token, -100 to "
                          f"ignore one); got {tuple(labels.shape)}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be an integer tensor; got {labels.dtype}")
     check_index_range("labels", labels.masked_fill(labels == -100, 0), num_labels,
                       f"num_labels = {num_labels}, or -100 to ignore a token")
 
@@ -251,14 +238,8 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
         config = DWAttConfig(backbone_config=backbone.config, fusion=fusion, **labels, **config_kwargs)
         return cls(config, backbone=backbone)
 
-    def get_input_embeddings(self) -> nn.Module:
-        return self.backbone.get_input_embeddings()
-
-    def set_input_embeddings(self, value: nn.Module) -> None:
-        self.backbone.set_input_embeddings(value)
-
     def fusion_num_parameters(self) -> int:
-        """Parameters of the fusion head alone (0 for ``"last"``); the classifier is not counted."""
+        """Parameters of the fusion head alone (0 for ``"last"``), classifier excluded."""
         return sum(p.numel() for p in self.fusion.parameters())
 
     def forward(
@@ -283,11 +264,10 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
             output_hidden_states: also return the backbone's L + 1 hidden states (True), or those at the given
                 index / indices (the others None, as transformers' models do).
             labels: [B, T] class ids in ``[0, num_labels)``, -100 for tokens to ignore.
-        Raises:
-            ValueError: for token inputs the model cannot compute (see ``check_token_inputs``), more tokens than
-                the encoder's position limit, token-type ids outside its table, labels of another shape or range.
             kwargs: other backbone arguments (e.g. ``output_attentions``); ``num_items_in_batch``
                 (from the ``Trainer``) goes to the loss.
+        Raises:
+            ValueError: for inputs the model or its encoder cannot compute, or labels of another shape or range.
         """
         check_token_inputs(input_ids, inputs_embeds, self.get_input_embeddings().num_embeddings)
         input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
@@ -299,21 +279,15 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
             output_hidden_states = self.config.output_hidden_states
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
                   "position_ids": position_ids, "inputs_embeds": inputs_embeds}
-        outputs = self.backbone(
-            **{name: value for name, value in inputs.items() if value is not None},
-            output_hidden_states=True,
-            return_dict=True,
-            **kwargs,
-        )
+        inputs = {name: value for name, value in inputs.items() if value is not None}
+        outputs = self.backbone(**inputs, output_hidden_states=True, return_dict=True, **kwargs)
         states = list(outputs.hidden_states)  # z_0..z_L, each (B, T, D)
         if len(states) != self.config.num_states:
             raise ValueError(
                 f"the backbone returned {len(states)} hidden states; expected num_hidden_layers + 1 = "
                 f"{self.config.num_states}"
             )
-        # z_L is the backbone's final output (equal to hidden_states[-1] for BERT-like encoders; it also
-        # covers encoders that normalise after their last layer).
-        states[-1] = outputs.last_hidden_state
+        states[-1] = outputs.last_hidden_state  # = hidden_states[-1], unless the encoder normalises after it
 
         fused, weights = self.fusion(states, attention_mask)  # (B, T, D), (B, T, L + 1) or None
         depth_attentions = weights if output_depth_attentions else None
@@ -323,11 +297,8 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config, num_items_in_batch=num_items_in_batch)
         result = DWAttTokenClassifierOutput(
-            loss=loss,
-            logits=logits,
-            hidden_states=select_hidden_states(outputs.hidden_states, output_hidden_states),
-            attentions=outputs.attentions,
-            depth_attentions=depth_attentions,
+            loss=loss, logits=logits, hidden_states=select_hidden_states(outputs.hidden_states, output_hidden_states),
+            attentions=outputs.attentions, depth_attentions=depth_attentions,
         )
         return result if return_dict is not False else result.to_tuple()
 

@@ -1,18 +1,17 @@
-"""Parameter counts of the DWAtt fusion heads and the field checks they share: plain integers, no torch.
+"""Parameter counts of the DWAtt fusion heads (plain integers, no torch) and the field checks they share.
 
-The config sizes the ``concat`` and ``deeper`` baselines to the DWAtt head's budget with these
-functions when it is built, and stores the chosen widths in ``config.json``.
+The config sizes the ``concat`` and ``deeper`` baselines to the DWAtt head's budget with these functions.
 """
 
 from __future__ import annotations
 
 
 def dwatt_head_num_params(hidden_size: int, num_states: int, bottleneck_size: int, depth_embedding_size: int) -> int:
-    """Parameters of the DWAtt head (``DWAttDepthAttention``) for width D and ``num_states`` = L + 1.
+    """Parameters of ``DWAttDepthAttention`` for width D and ``num_states`` = L + 1.
 
-    ``f(x) = W LN(GELU(U x))`` costs ``2 D b + 3 b + D`` with bottleneck ``b``; the head has one ``f``
-    per state (values) plus one for the query, an output LayerNorm per state (``2 D`` each), the
-    depth embeddings ``(L + 1) x d_pos`` and the key projection ``W_K`` (``d_pos D + D``).
+    ``f(x) = W LN(GELU(U x))`` costs ``2 D b + 3 b + D`` with bottleneck ``b``; the head has one ``f`` per state
+    plus one for the query, an output LayerNorm per state (``2 D``), the depth embeddings ``(L + 1) d_pos`` and
+    ``W_K`` (``d_pos D + D``).
     """
     mlp = 2 * hidden_size * bottleneck_size + 3 * bottleneck_size + hidden_size
     values = num_states * (mlp + 2 * hidden_size)
@@ -21,16 +20,13 @@ def dwatt_head_num_params(hidden_size: int, num_states: int, bottleneck_size: in
 
 
 def concat_head_num_params(hidden_size: int, num_states: int, concat_hidden_size: int) -> int:
-    """Parameters of the Concat head: ``W_2 LN(GELU(W_1 [z_0; ...; z_L]))`` with inner width ``m``."""
+    """Parameters of the Concat head ``W_2 LN(GELU(W_1 [z_0; ...; z_L]))`` with inner width ``m``."""
     m = concat_hidden_size
     return num_states * hidden_size * m + m + 2 * m + m * hidden_size + hidden_size
 
 
 def concat_params_per_unit(hidden_size: int, num_states: int) -> int:
-    """Parameters one more unit of Concat inner width costs: ``(L + 1) D + 3 + D``.
-
-    Rounding the width to the nearest integer leaves the Concat head within half of this of the budget.
-    """
+    """Parameters one unit of Concat inner width costs, ``(L + 1) D + 3 + D`` (the rounding error bound x 2)."""
     return num_states * hidden_size + 3 + hidden_size
 
 
@@ -38,12 +34,11 @@ def deeper_head_num_params(hidden_size: int, intermediate_size: int, num_layers:
     """Parameters of ``num_layers`` post-LN transformer layers (attention + FFN of width ``intermediate_size``)."""
     attention = 4 * hidden_size * hidden_size + 4 * hidden_size
     ffn = 2 * hidden_size * intermediate_size + intermediate_size + hidden_size
-    norms = 4 * hidden_size
-    return num_layers * (attention + ffn + norms)
+    return num_layers * (attention + ffn + 4 * hidden_size)  # + two LayerNorms
 
 
 def deeper_params_per_unit(hidden_size: int, num_layers: int = 1) -> int:
-    """Parameters one more unit of FFN width costs the deeper baseline: ``layers (2 D + 1)``."""
+    """Parameters one unit of FFN width costs the deeper baseline: ``layers (2 D + 1)``."""
     return num_layers * (2 * hidden_size + 1)
 
 
@@ -53,11 +48,8 @@ def solve_concat_hidden_size(hidden_size: int, num_states: int, budget: int) -> 
 
 
 def solve_deeper_intermediate_size(hidden_size: int, budget: int, num_layers: int = 1) -> int:
-    """The FFN width ``>= 1`` of the deeper baseline whose size is closest to ``budget`` parameters.
-
-    When even a width-1 FFN exceeds the budget (attention alone is too big) this returns 1; the
-    head is then larger than the budget (``deeper_head_num_params`` tells by how much).
-    """
+    """The FFN width ``>= 1`` of the deeper baseline whose size is closest to ``budget`` parameters (1, and a
+    head over budget, when attention alone exceeds it)."""
     fixed = deeper_head_num_params(hidden_size, 0, num_layers)
     return max(1, round((budget - fixed) / deeper_params_per_unit(hidden_size, num_layers)))
 
@@ -71,20 +63,5 @@ def check_int(name: str, value, low: int = 1) -> None:
 def check_fraction(name: str, value, allow_zero: bool) -> None:
     """Raise a ValueError naming ``name`` unless ``value`` is a number in [0, 1) (``allow_zero``) or (0, 1]."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (0.0 <= value < 1.0 if allow_zero else 0.0 < value <= 1.0)
-    if not ok:
-        interval = "[0, 1)" if allow_zero else "(0, 1]"
-        raise ValueError(f"`{name}` must be a number in {interval}; got {value!r}")
-
-
-__all__ = [
-    "check_fraction",
-    "check_int",
-    "concat_head_num_params",
-    "concat_params_per_unit",
-    "deeper_head_num_params",
-    "deeper_params_per_unit",
-    "dwatt_head_num_params",
-    "solve_concat_hidden_size",
-    "solve_deeper_intermediate_size",
-]
+    if not (ok and (0.0 <= value < 1.0 if allow_zero else 0.0 < value <= 1.0)):
+        raise ValueError(f"`{name}` must be a number in {'[0, 1)' if allow_zero else '(0, 1]'}; got {value!r}")
