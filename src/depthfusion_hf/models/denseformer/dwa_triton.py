@@ -99,37 +99,11 @@ if triton is not None:
         else:
             b_y = tl.zeros([BLOCK], dtype=tl.float32)
         p_w = p_w + W_START
+        p_xs = (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
         b_y = _weighted(b_y, x0, p_w, 0, o_m, m_m)
-        if NUM > 1:
-            b_y = _weighted(b_y, x1, p_w, 1, o_m, m_m)
-        if NUM > 2:
-            b_y = _weighted(b_y, x2, p_w, 2, o_m, m_m)
-        if NUM > 3:
-            b_y = _weighted(b_y, x3, p_w, 3, o_m, m_m)
-        if NUM > 4:
-            b_y = _weighted(b_y, x4, p_w, 4, o_m, m_m)
-        if NUM > 5:
-            b_y = _weighted(b_y, x5, p_w, 5, o_m, m_m)
-        if NUM > 6:
-            b_y = _weighted(b_y, x6, p_w, 6, o_m, m_m)
-        if NUM > 7:
-            b_y = _weighted(b_y, x7, p_w, 7, o_m, m_m)
-        if NUM > 8:
-            b_y = _weighted(b_y, x8, p_w, 8, o_m, m_m)
-        if NUM > 9:
-            b_y = _weighted(b_y, x9, p_w, 9, o_m, m_m)
-        if NUM > 10:
-            b_y = _weighted(b_y, x10, p_w, 10, o_m, m_m)
-        if NUM > 11:
-            b_y = _weighted(b_y, x11, p_w, 11, o_m, m_m)
-        if NUM > 12:
-            b_y = _weighted(b_y, x12, p_w, 12, o_m, m_m)
-        if NUM > 13:
-            b_y = _weighted(b_y, x13, p_w, 13, o_m, m_m)
-        if NUM > 14:
-            b_y = _weighted(b_y, x14, p_w, 14, o_m, m_m)
-        if NUM > 15:
-            b_y = _weighted(b_y, x15, p_w, 15, o_m, m_m)
+        for i in tl.static_range(1, 16):  # SOURCES_PER_LAUNCH, unrolled; a source past NUM is not read
+            if i < NUM:
+                b_y = _weighted(b_y, p_xs[i], p_w, i, o_m, m_m)
         tl.store(p_y + o_m, b_y.to(p_y.dtype.element_ty), mask=m_m)
 
     @triton.jit
@@ -165,37 +139,12 @@ if triton is not None:
         b_g = tl.load(p_g + o_m, mask=m_m, other=0.0).to(tl.float32)
         p_w = p_w + W_START
         p_dw = p_dw_partial + pid.to(tl.int64) * N + W_START
+        p_xs = (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        p_dxs = (d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15)
         _source_grads(b_g, x0, d0, p_w, p_dw, 0, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 1:
-            _source_grads(b_g, x1, d1, p_w, p_dw, 1, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 2:
-            _source_grads(b_g, x2, d2, p_w, p_dw, 2, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 3:
-            _source_grads(b_g, x3, d3, p_w, p_dw, 3, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 4:
-            _source_grads(b_g, x4, d4, p_w, p_dw, 4, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 5:
-            _source_grads(b_g, x5, d5, p_w, p_dw, 5, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 6:
-            _source_grads(b_g, x6, d6, p_w, p_dw, 6, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 7:
-            _source_grads(b_g, x7, d7, p_w, p_dw, 7, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 8:
-            _source_grads(b_g, x8, d8, p_w, p_dw, 8, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 9:
-            _source_grads(b_g, x9, d9, p_w, p_dw, 9, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 10:
-            _source_grads(b_g, x10, d10, p_w, p_dw, 10, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 11:
-            _source_grads(b_g, x11, d11, p_w, p_dw, 11, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 12:
-            _source_grads(b_g, x12, d12, p_w, p_dw, 12, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 13:
-            _source_grads(b_g, x13, d13, p_w, p_dw, 13, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 14:
-            _source_grads(b_g, x14, d14, p_w, p_dw, 14, o_m, m_m, HAS_DX, HAS_DW)
-        if NUM > 15:
-            _source_grads(b_g, x15, d15, p_w, p_dw, 15, o_m, m_m, HAS_DX, HAS_DW)
+        for i in tl.static_range(1, 16):
+            if i < NUM:
+                _source_grads(b_g, p_xs[i], p_dxs[i], p_w, p_dw, i, o_m, m_m, HAS_DX, HAS_DW)
 
 
 def launch_config(numel: int) -> tuple[int, int, int]:

@@ -311,10 +311,5 @@ class DenseFormerForCausalLM(DenseFormerPreTrainedModel, LlamaForCausalLM):
         return self.model.dwa_weights()
 
 
-__all__ = [
-    "DenseFormerForCausalLM",
-    "DenseFormerModel",
-    "DenseFormerPreTrainedModel",
-    "DenseFormerDWA",
-    "check_token_inputs",
-]
+__all__ = ["DenseFormerForCausalLM", "DenseFormerModel", "DenseFormerPreTrainedModel", "DenseFormerDWA",
+           "check_token_inputs"]

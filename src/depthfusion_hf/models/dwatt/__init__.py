@@ -13,18 +13,6 @@ from .fusion_dwatt import (
 )
 from .modeling_dwatt import DWAttForTokenClassification, DWAttPreTrainedModel, DWAttTokenClassifierOutput
 
-__all__ = [
-    "FUSION_HEADS",
-    "FUSION_METHODS",
-    "DWAttConcatFusion",
-    "DWAttConfig",
-    "DWAttDeeperFusion",
-    "DWAttDepthAttention",
-    "DWAttForTokenClassification",
-    "DWAttFusionHead",
-    "DWAttLastLayer",
-    "DWAttLastLayerNorm",
-    "DWAttMLP",
-    "DWAttPreTrainedModel",
-    "DWAttTokenClassifierOutput",
-]
+__all__ = ["FUSION_HEADS", "FUSION_METHODS", "DWAttConcatFusion", "DWAttConfig", "DWAttDeeperFusion",
+           "DWAttDepthAttention", "DWAttForTokenClassification", "DWAttFusionHead", "DWAttLastLayer",
+           "DWAttLastLayerNorm", "DWAttMLP", "DWAttPreTrainedModel", "DWAttTokenClassifierOutput"]
