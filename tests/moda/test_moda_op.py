@@ -43,6 +43,21 @@ def test_torch_matches_reference(dtype, T, M, extra):
     _compare(_inputs(T=T, M=M, S=T + extra, dtype=dtype), as_entries=M % 2 == 1)
 
 
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("M", [0, 1, 2 * LAYERS])
+@pytest.mark.parametrize("S", [1, 6])
+def test_decoding_step_matches_reference_float64(Hq, Hkv, M, S):
+    """The one-token step without gradient (the torch path's SDPA over [sequence | entries]) against the reference,
+    in float64, the entries as a model writes them: separate tensors, the values strided (every other row)."""
+    q, k, v, dk, dv = (x.detach().to(F64) for x in _inputs(B=2, Hq=Hq, Hkv=Hkv, T=1, S=S, M=M, d=8))
+    keys, values = list(dk.unbind(3)), [x.repeat_interleave(2, dim=-1)[..., ::2] for x in dv.unbind(3)]
+    want = moda_attention(q, k, v, dk, dv, backend="reference")
+    with torch.no_grad():
+        got = moda_attention(q, k, v, keys, values, backend="torch")
+    assert got.dtype == F64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("Hq,Hkv", [(3, 3), (6, 2), (4, 1)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gqa_and_non_causal(Hq, Hkv, causal):

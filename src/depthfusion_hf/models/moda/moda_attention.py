@@ -369,13 +369,14 @@ def _check_inputs(q, k, v, keys, values, attention_mask, scale) -> None:
                          f"(queries are the last T of S); got {shape(k)}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k, {shape(k)}; got {shape(v)}")
-    entry = (batch, num_kv_heads, q_len, head_dim)
-    for name, tensors in (("q", (q,)), ("k", (k,)), ("v", (v,)), ("depth_k", keys), ("depth_v", values)):
-        for x in tensors:  # one pass of attribute reads per tensor: this runs for every layer of every decoding step
-            if x.dtype not in DTYPES or x.device != q.device:
-                raise ValueError(f"{name} must have a floating dtype in {DTYPES} on q's device {q.device}; "
-                                 f"got {x.dtype} on {x.device}")
-            if name.startswith("depth") and x.shape != entry:
+    device, entry = q.device, (batch, num_kv_heads, q_len, head_dim)
+    for name, tensors, want in (("q", (q,), q.shape), ("k", (k,), k.shape), ("v", (v,), k.shape),
+                                ("depth_k", keys, entry), ("depth_v", values, entry)):
+        for x in tensors:  # three attribute reads per tensor: this runs for every layer of every decoding step
+            if x.dtype not in DTYPES or x.device != device or x.shape != want:
+                if x.dtype not in DTYPES or x.device != device:
+                    raise ValueError(f"{name} must have a floating dtype in {DTYPES} on q's device {device}; "
+                                     f"got {x.dtype} on {x.device}")
                 raise ValueError(f"{name} must have entries of shape [B, Hkv, T, d] = {entry} (as a tensor "
                                  f"[B, Hkv, T, M, d] or a sequence of M entries); got an entry of {shape(x)}")
     if len(keys) != len(values):
@@ -457,11 +458,13 @@ def moda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth_k: t
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None and q.dim() == 4 and q.shape[-1] > 0 else scale
     _check_inputs(q, k, v, keys, values, attention_mask, scale)
     # One compute dtype: the autocast dtype (float64 excepted: autocast leaves it alone), else the promoted one.
-    dtype, autocast = functools.reduce(torch.promote_types, {x.dtype for x in (q, k, v, *keys, *values)}), None
+    dtypes, autocast = {x.dtype for x in (q, k, v, *keys, *values)}, None
+    dtype = functools.reduce(torch.promote_types, dtypes)
     if dtype != torch.float64 and (autocast := _autocast_dtype(q.device.type)) is not None:
         dtype = autocast
-    q, k, v, *entries = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v, *keys, *values))
-    keys, values = tuple(entries[:len(keys)]), tuple(entries[len(keys):])
+    if dtypes != {dtype}:  # (no pass over the inputs when they all have it)
+        q, k, v, *entries = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v, *keys, *values))
+        keys, values = tuple(entries[:len(keys)]), tuple(entries[len(keys):])
     scale, causal = float(scale), bool(causal)
     backend = resolve_backend(backend, q.device)
     grad = torch.is_grad_enabled()

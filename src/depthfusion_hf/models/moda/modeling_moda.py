@@ -233,11 +233,13 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
 
     def ffn_entry(self, ffn_input: torch.Tensor, depth_rope: tuple[torch.Tensor, torch.Tensor]):
         """The FFN-side depth K/V of ``ffn_input`` [B, T, D]: key (post-RoPE, at its token's position) and value,
-        each [B, Hkv, T, d]. ``depth_rope``: the tables of :func:`depth_rotary`."""
+        each [B, Hkv, T, d], dense in [B, T, Hkv, d] order like the attention's K/V (the value is copied out of the
+        projection's [Hkv, 2, d] rows: a strided entry sends every later ``torch.cat`` and row view to a slow copy).
+        ``depth_rope``: the tables of :func:`depth_rotary`."""
         batch, tokens, _ = ffn_input.shape
         # -1, not num_key_value_heads: under tensor parallelism (colwise plan) this rank holds only its heads.
         key, value = self.ffn_kv_proj(ffn_input).view(batch, tokens, -1, 2, self.head_dim).unbind(dim=3)
-        return rotate_depth_key(key.transpose(1, 2), depth_rope), value.transpose(1, 2)
+        return rotate_depth_key(key.transpose(1, 2), depth_rope), value.contiguous().transpose(1, 2)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
