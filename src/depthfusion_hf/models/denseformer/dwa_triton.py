@@ -242,10 +242,7 @@ class _TritonDepthWeightedAverage(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: second-order gradients need a recorded graph
             with torch.autocast(grad_out.device.type, enabled=False):
                 return _differentiable_grads(ctx.needs_input_grad, weights, sources, grad_out)
-        need_dw = ctx.needs_input_grad[1]
-        need_dx = any(ctx.needs_input_grad[2:])
-        if not (need_dw or need_dx):
-            return (None,) * (len(sources) + 2)
+        need_dw, need_dx = ctx.needs_input_grad[1], any(ctx.needs_input_grad[2:])  # autograd calls with one at least
         g = grad_out.contiguous()
         xs = [x.contiguous() for x in sources] if need_dw else None
         dxs = [torch.empty(g.shape, dtype=x.dtype, device=g.device) for x in sources] if need_dx else None
