@@ -37,7 +37,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .mhc_inputs import autocast_off, check_positive, check_streams, check_tensor, weight_dtype
+from .mhc_inputs import autocast_off, cast, check_positive, check_streams, check_tensor, weight_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -219,15 +219,22 @@ def sinkhorn_scalings(matrix: torch.Tensor, iters: int, eps: float,
     s = v.reciprocal()
     rows, cols = [], [s]
     u = None
-    for _ in range(iters - 1):
-        u = torch.bmm(matrix, s).add_(eps) if u is None else torch.baddbmm(u, matrix, s, beta=eps)
-        r = u.reciprocal()
-        v = torch.baddbmm(v, transposed, r, beta=eps)
-        s = v.reciprocal()
-        if keep:
+    for step in range(iters - 1):
+        if keep or step == 0:
+            u = torch.bmm(matrix, s).add_(eps) if u is None else torch.baddbmm(u, matrix, s, beta=eps)
+            r = u.reciprocal()
+            v = torch.baddbmm(v, transposed, r, beta=eps)
+            s = v.reciprocal()
             rows.append(r)
             cols.append(s)
-    return (rows, cols) if keep else ([r] if iters > 1 else [], [s])
+            continue
+        if step == 1:  # without the history: the same kernels writing into buffers (no allocation per half-step)
+            u_spare, v_spare = torch.empty_like(u), torch.empty_like(v)
+        u, u_spare = torch.baddbmm(u, matrix, s, beta=eps, out=u_spare), u
+        torch.reciprocal(u, out=r)
+        v, v_spare = torch.baddbmm(v, transposed, r, beta=eps, out=v_spare), v
+        torch.reciprocal(v, out=s)
+    return (rows, cols) if keep else (rows[-1:], cols[-1:])
 
 
 def sinkhorn_vjp(grad: torch.Tensor, matrix: torch.Tensor, comb: torch.Tensor, rows: list[torch.Tensor],
@@ -262,9 +269,9 @@ def sinkhorn_vjp(grad: torch.Tensor, matrix: torch.Tensor, comb: torch.Tensor, r
 
 def _project(streams: torch.Tensor, fn: torch.Tensor, dtype: torch.dtype, norm_eps: float):
     """``(x [N, nD], rstd [N, 1], m [N, rows])`` with ``m = rstd * (x fn^T) = fn . RMSNorm(x)`` (no normalised copy)."""
-    x = streams.reshape(-1, streams.shape[-2] * streams.shape[-1]).to(dtype)  # a view for contiguous streams in dtype
+    x = cast(streams.reshape(-1, streams.shape[-2] * streams.shape[-1]), dtype)  # a view for contiguous streams
     rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
-    return x, rstd, torch.mm(x, fn.to(dtype).t()) * rstd
+    return x, rstd, torch.mm(x, cast(fn, dtype).t()) * rstd
 
 
 def _weights(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float, head: bool,
@@ -288,7 +295,7 @@ def _outputs(streams: torch.Tensor, x: torch.Tensor, gates: torch.Tensor, comb: 
     """``collapsed = pre . X`` (a [1, n] x [n, D] product per token); with ``comb``: ``(post, comb, collapsed)``."""
     batch, tokens, n, dim = streams.shape
     pre = gates[:, 0] + eps  # (N, n)
-    collapsed = torch.bmm(pre.unsqueeze(1), x.view(-1, n, dim)).view(batch, tokens, dim).to(streams.dtype)
+    collapsed = cast(torch.bmm(pre.unsqueeze(1), x.view(-1, n, dim)).view(batch, tokens, dim), streams.dtype)
     if comb is None:
         return collapsed
     return (2 * gates[:, 1]).view(batch, tokens, n), comb.view(batch, tokens, n, n), collapsed
@@ -301,8 +308,8 @@ def _values(streams, fn, base, scale, iters: int, eps: float, norm_eps: float, h
     scalings."""
     dtype = weight_dtype(streams, fn, base, scale)
     x, _, m = _project(streams, fn, dtype, norm_eps)
-    gates, matrix, rows, cols = _weights(m, base.to(dtype), scale.to(dtype), streams.shape[-2], iters, eps, head,
-                                         keep=False)
+    gates, matrix, rows, cols = _weights(m, cast(base, dtype), cast(scale, dtype), streams.shape[-2], iters, eps,
+                                         head, keep=False)
     return _outputs(streams, x, gates, None if head else _comb(matrix, rows, cols), eps)
 
 
@@ -322,7 +329,8 @@ class _HyperConnection(torch.autograd.Function):
     def forward(ctx, streams, fn, base, scale, iters: int, eps: float, norm_eps: float, head: bool):
         dtype = weight_dtype(streams, fn, base, scale)
         x, rstd, m = _project(streams, fn, dtype, norm_eps)
-        gates, matrix, rows, cols = _weights(m, base.to(dtype), scale.to(dtype), streams.shape[-2], iters, eps, head)
+        gates, matrix, rows, cols = _weights(m, cast(base, dtype), cast(scale, dtype), streams.shape[-2], iters, eps,
+                                             head)
         ctx.settings = (iters, eps, norm_eps, head, len(rows))
         ctx.save_for_backward(streams, fn, base, scale, m, rstd, gates, *([] if head else [matrix, *rows, *cols]))
         return _outputs(streams, x, gates, None if head else _comb(matrix, rows, cols), eps)
@@ -333,23 +341,23 @@ class _HyperConnection(torch.autograd.Function):
         streams, fn, base, scale, m, rstd, gates, *sinkhorn = ctx.saved_tensors
         dtype = weight_dtype(streams, fn, base, scale)
         batch, tokens, n, dim = streams.shape
-        base_w, scale_w, fn_w = base.to(dtype), scale.to(dtype), fn.to(dtype)
+        base_w, scale_w, fn_w = cast(base, dtype), cast(scale, dtype), cast(fn, dtype)
         if torch.is_grad_enabled():  # create_graph: recompute from the inputs so that the graph reaches them
             x, rstd, m = _project(streams, fn, dtype, norm_eps)
             gates, matrix, rows, cols = _weights(m, base_w, scale_w, n, iters, eps, head)
         else:
-            x = streams.reshape(-1, n * dim).to(dtype)
+            x = cast(streams.reshape(-1, n * dim), dtype)
             if not head:
                 matrix, rows, cols = sinkhorn[0], sinkhorn[1:1 + num_rows], sinkhorn[1 + num_rows:]
-        g_collapsed = grads[-1].reshape(-1, dim).to(dtype)  # (N, D)
+        g_collapsed = cast(grads[-1].reshape(-1, dim), dtype)  # (N, D)
         sig_pre = gates[:, 0]
-        d_pre = torch.bmm(x.view(-1, n, dim), g_collapsed.unsqueeze(-1)).squeeze(-1)  # (N, n)
+        d_pre = (x.view(-1, n, dim) * g_collapsed.unsqueeze(1)).sum(-1)  # (N, n); bmm is slow at [n, D] x [D, 1]
         d_z = d_pre * sig_pre * (1 - sig_pre)  # through pre = sigmoid(z_pre) + eps
         if not head:
-            g_post = grads[0].reshape(-1, n).to(dtype)
+            g_post = cast(grads[0].reshape(-1, n), dtype)
             sig_post = gates[:, 1]
             d_z_post = 2 * g_post * sig_post * (1 - sig_post)
-            d_matrix = sinkhorn_vjp(grads[1].reshape(-1, n, n).to(dtype), matrix, _comb(matrix, rows, cols), rows,
+            d_matrix = sinkhorn_vjp(cast(grads[1].reshape(-1, n, n), dtype), matrix, _comb(matrix, rows, cols), rows,
                                     cols, eps)
             soft = matrix - eps  # the softmax
             d_z_comb = soft * (d_matrix - (d_matrix * soft).sum(-1, keepdim=True))
@@ -364,10 +372,10 @@ class _HyperConnection(torch.autograd.Function):
             coefficient = (d_m * m).sum(-1, keepdim=True) * rstd.square() * (-1.0 / (n * dim))
             d_x = torch.mm(d_p, fn_w).addcmul_(x, coefficient).view(-1, n, dim)  # (N, n, D)
             d_x = d_x.addcmul_((sig_pre + eps).unsqueeze(-1), g_collapsed.unsqueeze(1))  # the collapse's pre ⊗ g
-            d_streams = d_x.view(batch, tokens, n, dim).to(streams.dtype)
+            d_streams = cast(d_x.view(batch, tokens, n, dim), streams.dtype)
         if ctx.needs_input_grad[1]:
-            d_fn = torch.mm(d_p.t(), x).to(fn.dtype)
-        return d_streams, d_fn, d_z.sum(0).to(base.dtype), d_scale.to(scale.dtype), None, None, None, None
+            d_fn = cast(torch.mm(d_p.t(), x), fn.dtype)
+        return d_streams, d_fn, cast(d_z.sum(0), base.dtype), cast(d_scale, scale.dtype), None, None, None, None
 
 
 def _torch_connection(streams, fn, base, scale, iters: int, eps: float, norm_eps: float, head: bool):

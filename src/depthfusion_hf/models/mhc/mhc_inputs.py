@@ -17,6 +17,11 @@ def weight_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, skipping the dispatch when it already has that dtype (the ops call it per sub-layer)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """A context that turns autocast off for ``device_type`` where it is on (a no-op context elsewhere)."""
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):

@@ -26,7 +26,7 @@ Self-contained (``torch`` and same-folder imports only): ``save_pretrained`` cop
 import torch
 
 from .mhc_connection import resolve_backend, triton_computes
-from .mhc_inputs import autocast_off, check_streams, check_tensor, weight_dtype
+from .mhc_inputs import autocast_off, cast, check_streams, check_tensor, weight_dtype
 
 try:  # Triton is optional: the model loads and runs without it.
     from .mhc_triton import triton_hyper_mix
@@ -58,10 +58,12 @@ def hyper_mix_reference(streams: torch.Tensor, output: torch.Tensor, post: torch
 
 
 def _mixed(streams, output, post, comb, dtype):
-    """``comb^T X`` (one [n, n] x [n, D] product per token) plus ``post ⊗ f`` added in place, rounded to ``dtype``."""
+    """``comb^T X`` (one [n, n] x [n, D] product per token) plus ``post ⊗ f`` added in place, rounded to ``dtype``.
+
+    The 4-D ``matmul`` (not a 3-D ``bmm`` / ``baddbmm`` of the same products: 1.8x / 4-7x slower at 1,024 tokens)."""
     acc = weight_dtype(streams, output, post, comb)
-    mixed = torch.matmul(comb.to(acc).transpose(-1, -2), streams.to(acc))  # (B, T, n, D)
-    return mixed.addcmul_(post.to(acc).unsqueeze(-1), output.to(acc).unsqueeze(-2)).to(dtype)
+    mixed = torch.matmul(cast(comb, acc).transpose(-1, -2), cast(streams, acc))  # (B, T, n, D)
+    return cast(mixed.addcmul_(cast(post, acc).unsqueeze(-1), cast(output, acc).unsqueeze(-2)), dtype)
 
 
 class _HyperMix(torch.autograd.Function):
@@ -78,16 +80,16 @@ class _HyperMix(torch.autograd.Function):
     def backward(ctx, grad):
         streams, output, post, comb = ctx.saved_tensors
         acc = weight_dtype(streams, output, post, comb)
-        g, x = grad.to(acc), streams.to(acc)
+        g = cast(grad, acc)
         d_streams = d_output = d_post = d_comb = None
         if ctx.needs_input_grad[0]:
-            d_streams = torch.matmul(comb.to(acc), g).to(streams.dtype)  # dX_j = sum_k comb_jk dX'_k
+            d_streams = cast(torch.matmul(cast(comb, acc), g), streams.dtype)  # dX_j = sum_k comb_jk dX'_k
         if ctx.needs_input_grad[1]:
-            d_output = torch.matmul(post.to(acc).unsqueeze(-2), g).squeeze(-2).to(output.dtype)
+            d_output = cast(torch.matmul(cast(post, acc).unsqueeze(-2), g).squeeze(-2), output.dtype)
         if ctx.needs_input_grad[2]:
-            d_post = torch.matmul(g, output.to(acc).unsqueeze(-1)).squeeze(-1).to(post.dtype)
+            d_post = cast(torch.matmul(g, cast(output, acc).unsqueeze(-1)).squeeze(-1), post.dtype)
         if ctx.needs_input_grad[3]:
-            d_comb = torch.matmul(x, g.transpose(-1, -2)).to(comb.dtype)  # (B, T, n, n): [j, k] = X_j . dX'_k
+            d_comb = cast(torch.matmul(cast(streams, acc), g.transpose(-1, -2)), comb.dtype)  # [j, k] = X_j . dX'_k
         return d_streams, d_output, d_post, d_comb, None
 
 
