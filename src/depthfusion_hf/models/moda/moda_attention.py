@@ -370,13 +370,12 @@ def _check_inputs(q, k, v, keys, values, attention_mask, scale) -> None:
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k, {shape(k)}; got {shape(v)}")
     device, entry = q.device, (batch, num_kv_heads, q_len, head_dim)
-    for name, tensors, want in (("q", (q,), q.shape), ("k", (k,), k.shape), ("v", (v,), k.shape),
-                                ("depth_k", keys, entry), ("depth_v", values, entry)):
-        for x in tensors:  # three attribute reads per tensor: this runs for every layer of every decoding step
-            if x.dtype not in DTYPES or x.device != device or x.shape != want:
-                if x.dtype not in DTYPES or x.device != device:
-                    raise ValueError(f"{name} must have a floating dtype in {DTYPES} on q's device {device}; "
-                                     f"got {x.dtype} on {x.device}")
+    for name, tensors in (("q", (q,)), ("k", (k,)), ("v", (v,)), ("depth_k", keys), ("depth_v", values)):
+        for x in tensors:  # attribute reads only: this runs for every layer of every decoding step
+            if x.dtype not in DTYPES or x.device != device:
+                raise ValueError(f"{name} must have a floating dtype in {DTYPES} on q's device {device}; "
+                                 f"got {x.dtype} on {x.device}")
+            if name.startswith("depth") and x.shape != entry:
                 raise ValueError(f"{name} must have entries of shape [B, Hkv, T, d] = {entry} (as a tensor "
                                  f"[B, Hkv, T, M, d] or a sequence of M entries); got an entry of {shape(x)}")
     if len(keys) != len(values):
@@ -457,11 +456,9 @@ def moda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth_k: t
     keys, values = (x.unbind(3) if torch.is_tensor(x) and x.dim() == 5 else tuple(x) for x in (depth_k, depth_v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None and q.dim() == 4 and q.shape[-1] > 0 else scale
     _check_inputs(q, k, v, keys, values, attention_mask, scale)
-    # One compute dtype: the autocast dtype (float64 excepted: autocast leaves it alone), else the promoted one.
-    dtypes, autocast = {x.dtype for x in (q, k, v, *keys, *values)}, None
-    dtype = functools.reduce(torch.promote_types, dtypes)
-    if dtype != torch.float64 and (autocast := _autocast_dtype(q.device.type)) is not None:
-        dtype = autocast
+    dtypes = {x.dtype for x in (q, k, v, *keys, *values)}
+    autocast = _autocast_dtype(q.device.type) if torch.float64 not in dtypes else None
+    dtype = autocast if autocast is not None else functools.reduce(torch.promote_types, dtypes)
     if dtypes != {dtype}:  # (no pass over the inputs when they all have it)
         q, k, v, *entries = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v, *keys, *values))
         keys, values = tuple(entries[:len(keys)]), tuple(entries[len(keys):])
