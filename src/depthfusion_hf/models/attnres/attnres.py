@@ -9,9 +9,10 @@ Per token, over N sources ``v_i`` [B, T, D], with the call's pseudo-query ``w`` 
     b_i = ds_i r_i,  e_i = -b_i p_i r_i^2 / D,  dv_i = alpha_i dh + b_i u + e_i v_i,  du = sum_tokens sum_i b_i v_i,
     dw = du * g,  dg = du * w.
 
-:func:`attention_residual` is the one entry point. It validates, decides the compute dtype (below), picks the
-backend with :func:`resolve_backend` (argument > ``$DEPTHFUSION_BACKEND`` > the config's ``op_backend`` >
-automatic: Triton for CUDA tensors when it imports, else torch), and calls one implementation:
+:func:`attention_residual` is the one entry point. It validates, picks the backend with :func:`resolve_backend`
+(argument > ``$DEPTHFUSION_BACKEND`` > the config's ``op_backend`` > automatic: Triton for CUDA tensors when it
+imports, else torch) and hands over to :func:`attnres_core` (what a model calls, with the backend it resolved once
+per forward), which decides the compute dtype (below) and calls one implementation:
 
 ============  ====================================================  =====================  ===============
 backend       implementation                                        compute dtypes         create_graph
@@ -126,29 +127,8 @@ def _describe(x: object) -> str:
     return type(x).__name__
 
 
-def check_attnres_inputs(query, sources, key_norm_weight, eps, return_weights) -> set[torch.dtype]:
-    """Validate the op's inputs (cheaply: no host sync); return their dtypes. Raises ValueError naming the problem."""
-    try:  # the common case: one pass of attribute reads (this runs for every call of a model)
-        first = sources[0] if isinstance(sources, (list, tuple)) else None
-        shape, device, dtypes = first.shape, first.device, {query.dtype, key_norm_weight.dtype}
-        for v in sources:
-            if v.shape != shape or v.device != device:
-                break
-            dtypes.add(v.dtype)
-        else:
-            if (len(shape) == 3 and shape[-1] > 0 and query.shape == shape[-1:] == key_norm_weight.shape
-                    and query.device == device == key_norm_weight.device and all(d.is_floating_point for d in dtypes)
-                    and all(isinstance(x, torch.Tensor) for x in (first, query, key_norm_weight))
-                    and isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0
-                    and isinstance(return_weights, bool)):
-                return dtypes
-    except (AttributeError, IndexError, TypeError):
-        pass
-    return _check_one_by_one(query, sources, key_norm_weight, eps, return_weights)
-
-
-def _check_one_by_one(query, sources, key_norm_weight, eps, return_weights) -> set[torch.dtype]:
-    """:func:`check_attnres_inputs` one input at a time, to name what is wrong."""
+def check_attnres_inputs(query, sources, key_norm_weight, eps, return_weights) -> None:
+    """Validate the op's inputs (no host sync); raise a ValueError naming the first problem and the allowed values."""
     if not isinstance(sources, (list, tuple)) or len(sources) == 0:
         raise ValueError(f"sources must be a sequence (list or tuple) of N >= 1 tensors [B, T, D] (at least one tensor)"
                          f" or one tensor [N, B, T, D]; got {_describe(sources)}")
@@ -175,7 +155,6 @@ def _check_one_by_one(query, sources, key_norm_weight, eps, return_weights) -> s
         raise ValueError(f"eps must be a positive finite float; got {eps!r}")
     if not isinstance(return_weights, bool):
         raise ValueError(f"return_weights must be a bool; got {return_weights!r}")
-    return {x.dtype for x in (query, key_norm_weight, *sources)}
 
 
 def compute_dtype(dtypes: set[torch.dtype]) -> torch.dtype:
@@ -327,19 +306,24 @@ def attention_residual(
     """
     if isinstance(sources, torch.Tensor) and sources.dim() == 4:
         sources = sources.unbind(0)
-    dtype = compute_dtype(check_attnres_inputs(query, sources, key_norm_weight, eps, return_weights))
-    device = sources[0].device.type
-    autocast = (device in ("cpu", "cuda") or torch.amp.is_autocast_available(device)) and \
-        torch.is_autocast_enabled(device)
-    choice = resolve_backend(backend, sources[0].device)
-    if choice == "triton" and (dtype not in TRITON_DTYPES or sources[0].shape[-1] > TRITON_MAX_DIM):
-        choice = "torch"
-    if autocast:  # the dtype is decided: autocast must not recast the implementations' products
-        with torch.autocast(device, enabled=False):
-            h, alpha = _run(choice, query, sources, key_norm_weight, float(eps), dtype)
-    else:
-        h, alpha = _run(choice, query, sources, key_norm_weight, float(eps), dtype)
+    check_attnres_inputs(query, sources, key_norm_weight, eps, return_weights)
+    h, alpha = attnres_core(resolve_backend(backend, sources[0].device), query, sources, key_norm_weight, float(eps))
     return (h, alpha) if return_weights else h
+
+
+def attnres_core(backend: str, query, sources, key_norm_weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_residual` past its input check and backend resolution, for inputs known to be valid: a
+    model resolves ``backend`` once per forward (:func:`resolve_backend`) and calls this per use. Decides the
+    compute dtype and runs ``backend`` (Triton work it cannot compute goes to torch) with autocast off. Returns
+    ``(h [B, T, D], alpha [B, T, N])``."""
+    dtype = compute_dtype({query.dtype, key_norm_weight.dtype, *(v.dtype for v in sources)})
+    device = sources[0].device.type
+    if backend == "triton" and (dtype not in TRITON_DTYPES or sources[0].shape[-1] > TRITON_MAX_DIM):
+        backend = "torch"
+    if (device in ("cpu", "cuda") or torch.amp.is_autocast_available(device)) and torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):  # the dtype is decided: autocast must not recast the products
+            return _run(backend, query, sources, key_norm_weight, eps, dtype)
+    return _run(backend, query, sources, key_norm_weight, eps, dtype)
 
 
 def _run(backend: str, query, sources, key_norm_weight, eps: float, dtype: torch.dtype):
@@ -352,4 +336,5 @@ def _run(backend: str, query, sources, key_norm_weight, eps: float, dtype: torch
     return attnres_torch_forward(query, sources, key_norm_weight, eps, dtype)[:2]  # no autograd node to record
 
 
-__all__ = ["attention_residual", "attnres_reference", "check_attnres_inputs", "compute_dtype", "resolve_backend"]
+__all__ = ["attention_residual", "attnres_core", "attnres_reference", "check_attnres_inputs", "compute_dtype",
+           "resolve_backend"]

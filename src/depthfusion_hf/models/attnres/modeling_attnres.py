@@ -32,7 +32,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .attnres import attention_residual, resolve_backend
+from .attnres import attnres_core, resolve_backend
 from .configuration_attnres import AttnResConfig
 
 
@@ -82,14 +82,16 @@ class AttnResMix(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
-        self.eps = eps
+        self.eps = float(eps)
         self.query = nn.Parameter(torch.zeros(hidden_size))
         self.key_norm_weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, sources: tuple[torch.Tensor, ...], backend: str | None = None) -> tuple[torch.Tensor, ...]:
-        """Mix N sources [B, T, D] into ``(h [B, T, D], alpha [B, T, N] float32)`` (``backend``: see the op)."""
-        return attention_residual(self.query, sources, self.key_norm_weight, eps=self.eps, return_weights=True,
-                                  backend=backend)
+        """Mix N sources [B, T, D] into ``(h [B, T, D], alpha [B, T, N] float32)``; ``backend``: the one the model
+        resolved for this forward (None: resolved here). The sources are the model's own, so the op's input check
+        is skipped (:func:`attnres_core`)."""
+        backend = backend or resolve_backend(None, sources[0].device)
+        return attnres_core(backend, self.query, sources, self.key_norm_weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.query.numel()}, eps={self.eps}"
