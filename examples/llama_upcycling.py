@@ -13,7 +13,7 @@
      average's scale except for their epsilon, so the logits move a little.
 3. A few training steps on the Llama and on each upcycled model. The parameters the Llama lacks (found with
    ``new_parameter_names``) train at their family's recommended multiple of the learning rate (10x DenseFormer
-   and MoDA, 1x AttnRes: the upcycling study in ``docs/RESULTS.md``; ``--new_param_lr_scale`` overrides it), as
+   and MoDA, 1x AttnRes and mHC: the upcycling study in ``docs/RESULTS.md``; ``--new_param_lr_scale`` overrides it), as
    ``scripts/train_clm.py --init_from LLAMA --new_param_lr_scale S`` does.
 4. What the new weights learned: the DenseFormer's DWA matrix, and block AttnRes's depth attention (each call's
    softmax over its sources, averaged over held-out tokens), drawn to ``<output_dir>/depth_weights.png``; the
@@ -44,8 +44,9 @@ UPCYCLE_OPTIONS = {
 }
 # The new-parameter learning-rate scale the upcycling study chose on validation, per family (docs/RESULTS.md,
 # "Upcycling"; 3 seeds, 12 layers, width 64): 10x for the DWA weights and MoDA's FFN-side K/V projections, 1x for
-# AttnRes's pseudo-queries (10x was worse on 2 of 3 seeds). A family added later starts at 1x.
-RECOMMENDED_NEW_PARAM_LR_SCALE = {"denseformer": 10.0, "moda": 10.0, "attnres": 1.0}
+# AttnRes's pseudo-queries (10x was worse on 2 of 3 seeds) and mHC's connections (10x behind on 3 of 3). A family
+# added later starts at 1x.
+RECOMMENDED_NEW_PARAM_LR_SCALE = {"denseformer": 10.0, "moda": 10.0, "attnres": 1.0, "mhc": 1.0}
 
 
 def train(model, blocks: torch.Tensor, steps: int, lr: float = 3e-3, new_param_lr_scale: float = 1.0,
