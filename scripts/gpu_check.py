@@ -16,7 +16,8 @@ models      70 s   a bf16-autocast training step of every family against the fp3
 decode     100 s   compiled static-cache decoding with CUDA graphs (``reduce-overhead``) of every family whose
                    ``_can_compile_fullgraph`` is True, against Llama: equal to eager to bf16 rounding, one graph
                    per model (no recompile), tokens/s
-speed       50 s   speed and peak memory of each op against SDPA (and flash-attn when installed)
+speed       50 s   speed and peak memory of each op: MoDA against SDPA (and flash-attn when installed), the others'
+                   Triton against their PyTorch path (DWA: against a device copy)
 ========== ======= ========================================================================================
 
 The limits add up to more than the default budget (490 s against 420 s): a step that ends early leaves its time to

@@ -6,7 +6,8 @@ input gradient must be within :func:`common.tolerance` of the oracle: twice the 
 error in that dtype and the dtype's unit roundoff. TF32 is off (``allow_tf32 = False``), so fp32 is held to fp32.
 Most important first: MoDA at d = 128, T = 2048-8192, M up to 2L (L = 36 layers: 72 entries), padded, decoding,
 the large case whose depth offsets pass 2**31 elements (the model's slot-major buffer), autocast with RoPE's mixed
-dtypes; then AttnRes and DWA.
+dtypes; then AttnRes, mHC (the hyper-connection with 20 Sinkhorn iterations, the head and the mix: bf16 streams with
+fp32 weights, as the model runs them, and fp32) and DWA.
 """
 
 from __future__ import annotations
@@ -111,6 +112,35 @@ def _attnres_call(ts, backend):
     return attention_residual(ts["query"], sources, ts["g"], return_weights=True, backend=backend)
 
 
+def mhc_inputs(batch, tokens, n, dim, *, head=False) -> dict:
+    """The hyper-connection's (or head's) inputs: projections of order 1 (``fn . RMSNorm(x)`` ~ N(0, 1)), random
+    biases and scales around 1, so the weights are far from uniform and the Sinkhorn loop has work to do."""
+    rows = n if head else (2 + n) * n
+    return {"streams": _randn(batch, tokens, n, dim), "fn": _randn(rows, n * dim, scale=(n * dim) ** -0.5),
+            "base": _randn(rows), "scale": 1 + _randn(1 if head else 3, scale=0.3)}
+
+
+def mix_inputs(batch, tokens, n, dim) -> dict:
+    """The mix's inputs: streams, a sub-layer output, post in (0, 2) and a non-symmetric comb in (0, 1)."""
+    return {"streams": _randn(batch, tokens, n, dim), "output": _randn(batch, tokens, dim),
+            "post": 1 + _randn(batch, tokens, n, scale=0.5).tanh(), "comb": _randn(batch, tokens, n, n).sigmoid()}
+
+
+def _mhc_call(ts, backend):
+    from depthfusion_hf.ops import hyper_connection, hyper_head
+
+    if ts["base"].shape[0] == ts["streams"].shape[2]:  # [n] biases: the head
+        return hyper_head(ts["streams"], ts["fn"], ts["base"], ts["scale"], eps=1e-6, norm_eps=1e-6, backend=backend)
+    return hyper_connection(ts["streams"], ts["fn"], ts["base"], ts["scale"], sinkhorn_iters=20, eps=1e-6,
+                            norm_eps=1e-6, backend=backend)
+
+
+def _mix_call(ts, backend):
+    from depthfusion_hf.ops import hyper_mix
+
+    return hyper_mix(ts["streams"], ts["output"], ts["post"], ts["comb"], backend=backend)
+
+
 def moda_large_offsets(result: Result) -> None:
     """Depth entries as the model keeps them, a slot-major buffer [M, B, T, Hkv, d] read through a permuted view:
     the slot stride B*T*Hkv*d times M passes 2**31 elements. The last batch row of the Triton result (forward and
@@ -179,6 +209,9 @@ def run(result: Result, args) -> None:
     d1, d2, d3 = S((25, 8, 4096, 1024), (3, 2, 8, 16)), S((13, 8, 4096, 1024), (3, 2, 8, 16)), \
         S((13, 4, 4096, 1024), (3, 2, 8, 16))
 
+    h1, h2 = S((2, 4096, 4, 2048), (2, 9, 4, 20)), S((1, 8192, 4, 4096), (1, 5, 3, 70))
+    streams_bf16 = dict(dtype_of=lambda n, t: bf16 if n in ("streams", "output") else fp32)
+
     def attnres_inputs(n, b, t, d):
         return {"query": _randn(d, scale=0.05), "g": 1 + _randn(d, scale=0.1),
                 **{f"v{i}": _randn(b, t, d) for i in range(n)}}
@@ -204,16 +237,27 @@ def run(result: Result, args) -> None:
         ("attnres autocast-bf16 mixed sources (embedding fp32, outputs bf16)", bf16, lambda: attnres_inputs(*a2),
          dict(autocast=bf16, dtype_of=lambda n, t: fp32 if n in ("query", "g", "v0") else bf16)),
         (f"attnres fp32 N{a3[0]} {list(a3[1:])}", fp32, lambda: attnres_inputs(*a3), {}),
+        (f"mhc connection bf16 streams B{h1[0]} T{h1[1]} n{h1[2]} D{h1[3]} (weights fp32, 20 iterations)", bf16,
+         lambda: mhc_inputs(*h1), streams_bf16),
+        (f"mhc connection bf16 streams B{h2[0]} T{h2[1]} n{h2[2]} D{h2[3]}", bf16, lambda: mhc_inputs(*h2),
+         streams_bf16),
+        (f"mhc head bf16 streams B{h1[0]} T{h1[1]} n{h1[2]} D{h1[3]}", bf16, lambda: mhc_inputs(*h1, head=True),
+         streams_bf16),
+        (f"mhc mix bf16 streams B{h1[0]} T{h1[1]} n{h1[2]} D{h1[3]} (post, comb fp32)", bf16,
+         lambda: mix_inputs(*h1), streams_bf16),
+        (f"mhc connection fp32 B{h1[0]} T{h1[1]} n{h1[2]} D{h1[3]}", fp32, lambda: mhc_inputs(*h1), {}),
+        (f"mhc mix fp32 B{h1[0]} T{h1[1]} n{h1[2]} D{h1[3]}", fp32, lambda: mix_inputs(*h1), {}),
         (f"dwa bf16 N{d1[0]} {list(d1[1:])}", bf16, lambda: dwa_inputs(*d1), {}),
         (f"dwa autocast-bf16 fp32 inputs N{d2[0]} {list(d2[1:])}", fp32, lambda: dwa_inputs(*d2), dict(autocast=bf16)),
         (f"dwa fp32 N{d3[0]} {list(d3[1:])}", fp32, lambda: dwa_inputs(*d3), {}),
     ]
-    calls = {"moda": _moda_call, "attnres": _attnres_call, "dwa": _dwa_call}
+    calls = {"moda": _moda_call, "attnres": _attnres_call, "dwa": _dwa_call, "mhc connection": _mhc_call,
+             "mhc head": _mhc_call, "mhc mix": _mix_call}
     for name, dtype, inputs, options in cases:
         if name == "moda large offsets":
             result.attempt(name, lambda: moda_large_offsets(result))
             continue
-        call = calls[name.split()[0]]
+        call = calls[" ".join(name.split()[:2])] if name.startswith("mhc") else calls[name.split()[0]]
         result.attempt(name, lambda n=name, c=call, i=inputs, d=dtype, o=options: op_check(result, n, c, i(), d, **o))
         sync()
 

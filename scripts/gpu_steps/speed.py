@@ -7,6 +7,8 @@ timings after warm-up, forward and forward + backward), bf16:
   baseline time / MoDA time (the fraction of the baseline's speed).
 - DWA (25 sources of [8, 4096, 1024]): achieved bandwidth against a device copy of the same bytes.
 - AttnRes (17 sources of [4, 4096, 2048]): Triton against the PyTorch path.
+- mHC (n = 4 streams of [4, 4096, 2048], bf16): the hyper-connection (20 Sinkhorn iterations) and the mix, Triton
+  against the PyTorch path (issue 22's GPU target).
 """
 
 from __future__ import annotations
@@ -111,11 +113,51 @@ def attnres_speed(result: Result) -> None:
     result.measure("attnres triton vs torch", **row)
 
 
+def mhc_speed(result: Result) -> None:
+    """The hyper-connection (20 Sinkhorn iterations) and the mix, bf16 streams with fp32 weights (as the model runs
+    them): Triton against the PyTorch path, forward and forward + backward."""
+    import torch
+
+    from depthfusion_hf.ops import hyper_connection, hyper_mix
+
+    batch, tokens, n, dim = size((4, 4096, 4, 2048), (2, 8, 4, 32))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32, scale=1.0):
+        return (scale * torch.randn(shape, generator=gen, device=DEVICE)).to(dtype).requires_grad_()
+
+    streams = randn(batch, tokens, n, dim, dtype=torch.bfloat16)
+    fn, base = randn((2 + n) * n, n * dim, scale=(n * dim) ** -0.5), randn((2 + n) * n)
+    scale = (1 + 0.3 * torch.randn(3, generator=gen, device=DEVICE)).requires_grad_()
+    output = randn(batch, tokens, dim, dtype=torch.bfloat16)
+    post = (2 * torch.rand(batch, tokens, n, generator=gen, device=DEVICE)).requires_grad_()
+    comb = torch.rand(batch, tokens, n, n, generator=gen, device=DEVICE).requires_grad_()
+    ops = {
+        "connection": (lambda b: hyper_connection(streams, fn, base, scale, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6,
+                                                  backend=b), [streams, fn, base, scale]),
+        "mix": (lambda b: (hyper_mix(streams, output, post, comb, backend=b),), [streams, output, post, comb]),
+    }
+    for name, (op, leaves) in ops.items():
+        with torch.no_grad():
+            grads = [torch.randn(o.shape, generator=gen, device=DEVICE).to(o.dtype) for o in op("torch")]
+        row = dict(B=batch, T=tokens, n=n, D=dim)
+        for backend in ("triton", "torch"):
+            call = lambda b=backend, o=op: o(b)  # noqa: E731
+            with torch.no_grad():
+                row[f"fwd_{backend}_ms"] = cuda_time(call)["median_ms"]
+            row[f"fwd_bwd_{backend}_ms"] = cuda_time(_fwd_bwd(call, leaves, grads))["median_ms"]
+            row[f"peak_{backend}_bytes"] = peak_bytes(_fwd_bwd(call, leaves, grads))
+        row["fwd_speedup_over_torch"] = row["fwd_torch_ms"] / row["fwd_triton_ms"]
+        row["fwd_bwd_speedup_over_torch"] = row["fwd_bwd_torch_ms"] / row["fwd_bwd_triton_ms"]
+        result.measure(f"mhc {name} triton vs torch", **row)
+
+
 def run(result: Result, args) -> None:
     for seq in size((8192, 32768, 65536), (64,)):
         result.attempt(f"moda vs sdpa T={seq}", lambda s=seq: moda_vs_sdpa(result, s))
     result.attempt("dwa forward bandwidth", lambda: dwa_bandwidth(result))
     result.attempt("attnres triton vs torch", lambda: attnres_speed(result))
+    result.attempt("mhc triton vs torch", lambda: mhc_speed(result))
 
 
 if __name__ == "__main__":
