@@ -269,11 +269,17 @@ def depth_weighted_average(
     """
     sources = _as_list(states)
     _check_inputs(sources, weights)
+    return dwa_core(resolve_backend(backend, sources[0].device), sources, weights)
+
+
+def dwa_core(backend: str, sources: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """:func:`depth_weighted_average` past its input check and backend resolution, for inputs known to be valid (a
+    model calls this per DWA step with the backend it resolved once per forward): decides the compute dtype and
+    runs ``backend`` with autocast off (float64 work asked of Triton runs on torch). Returns [*S]."""
     dtype = compute_dtype(sources, weights)
-    choice = resolve_backend(backend, sources[0].device)
     with autocast_disabled(sources[0].device.type):  # the dtype is decided: autocast must not recast the products
-        if choice == "triton" and dtype in TRITON_DWA_DTYPES:
+        if backend == "triton" and dtype in TRITON_DWA_DTYPES:
             return triton_depth_weighted_average(sources, weights, dtype)
-        if choice == "reference":
+        if backend == "reference":
             return dwa_reference(sources, weights, dtype)
         return dwa_torch(sources, weights, dtype)

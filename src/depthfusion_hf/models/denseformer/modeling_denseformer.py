@@ -36,7 +36,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_denseformer import DenseFormerConfig
-from .dwa import depth_weighted_average, resolve_backend
+from .dwa import dwa_core, resolve_backend
 
 
 def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
@@ -147,8 +147,10 @@ class DenseFormerDWA(nn.Module):
 
     def forward(self, sources: list[torch.Tensor], step: int, backend: str | None = None) -> torch.Tensor:
         """``Y_step = sum_j alpha[step, j] X_j``: ``sources`` the X_j [B, T, D] for j in ``S(step)``, in order;
-        ``backend`` the one the model resolved for this forward (None: resolved here). Returns [B, T, D]."""
-        return depth_weighted_average(sources, self.step_weights(step), backend=backend)
+        ``backend`` the one the model resolved for this forward (None: resolved here). Returns [B, T, D]. The
+        sources are the model's own, so the op's input check is skipped (:func:`dwa_core`)."""
+        backend = backend or resolve_backend(None, sources[0].device)
+        return dwa_core(backend, sources, self.step_weights(step))
 
     def identity_alphas(self, total: int | None = None) -> torch.Tensor:
         """The initial weights: ``alpha[i, i] = 1`` and 0 elsewhere (the DenseFormer is a plain transformer)."""
