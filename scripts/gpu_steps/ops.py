@@ -126,13 +126,17 @@ def mix_inputs(batch, tokens, n, dim) -> dict:
             "post": 1 + _randn(batch, tokens, n, scale=0.5).tanh(), "comb": _randn(batch, tokens, n, n).sigmoid()}
 
 
-def _mhc_call(ts, backend):
-    from depthfusion_hf.ops import hyper_connection, hyper_head
+def _connection_call(ts, backend):
+    from depthfusion_hf.ops import hyper_connection
 
-    if ts["base"].shape[0] == ts["streams"].shape[2]:  # [n] biases: the head
-        return hyper_head(ts["streams"], ts["fn"], ts["base"], ts["scale"], eps=1e-6, norm_eps=1e-6, backend=backend)
     return hyper_connection(ts["streams"], ts["fn"], ts["base"], ts["scale"], sinkhorn_iters=20, eps=1e-6,
                             norm_eps=1e-6, backend=backend)
+
+
+def _head_call(ts, backend):
+    from depthfusion_hf.ops import hyper_head
+
+    return hyper_head(ts["streams"], ts["fn"], ts["base"], ts["scale"], eps=1e-6, norm_eps=1e-6, backend=backend)
 
 
 def _mix_call(ts, backend):
@@ -251,13 +255,13 @@ def run(result: Result, args) -> None:
         (f"dwa autocast-bf16 fp32 inputs N{d2[0]} {list(d2[1:])}", fp32, lambda: dwa_inputs(*d2), dict(autocast=bf16)),
         (f"dwa fp32 N{d3[0]} {list(d3[1:])}", fp32, lambda: dwa_inputs(*d3), {}),
     ]
-    calls = {"moda": _moda_call, "attnres": _attnres_call, "dwa": _dwa_call, "mhc connection": _mhc_call,
-             "mhc head": _mhc_call, "mhc mix": _mix_call}
+    calls = {"moda": _moda_call, "attnres": _attnres_call, "dwa": _dwa_call, "mhc connection": _connection_call,
+             "mhc head": _head_call, "mhc mix": _mix_call}  # by the case name's prefix
     for name, dtype, inputs, options in cases:
         if name == "moda large offsets":
             result.attempt(name, lambda: moda_large_offsets(result))
             continue
-        call = calls[" ".join(name.split()[:2])] if name.startswith("mhc") else calls[name.split()[0]]
+        call = next(c for prefix, c in calls.items() if name.startswith(prefix + " "))
         result.attempt(name, lambda n=name, c=call, i=inputs, d=dtype, o=options: op_check(result, n, c, i(), d, **o))
         sync()
 
