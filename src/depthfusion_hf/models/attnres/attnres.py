@@ -157,10 +157,10 @@ def check_attnres_inputs(query, sources, key_norm_weight, eps, return_weights) -
         raise ValueError(f"return_weights must be a bool; got {return_weights!r}")
 
 
-def compute_dtype(dtypes: set[torch.dtype]) -> torch.dtype:
-    """The op's one compute (and output) dtype, for every backend: the promoted dtype of its inputs' ``dtypes``
-    (autocast does not lower it: see the module docstring)."""
-    return functools.reduce(torch.promote_types, dtypes)
+def compute_dtype(query, sources, key_norm_weight) -> torch.dtype:
+    """The op's one compute (and output) dtype, for every backend: the promoted dtype of its inputs (autocast does
+    not lower it: see the module docstring)."""
+    return functools.reduce(torch.promote_types, {query.dtype, key_norm_weight.dtype, *(v.dtype for v in sources)})
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -173,7 +173,7 @@ def attnres_reference(query, sources, key_norm_weight, eps, dtype=None):
     accumulation dtype; autograd differentiates it. Returns ``(h [B, T, D] in dtype (default: the promoted dtype of
     the inputs), alpha [B, T, N] in the accumulation dtype)``.
     """
-    dtype = dtype or compute_dtype({query.dtype, key_norm_weight.dtype, *(v.dtype for v in sources)})
+    dtype = dtype or compute_dtype(query, sources, key_norm_weight)
     acc = accumulation_dtype(dtype)
     w, g = query.to(acc), key_norm_weight.to(acc)
     xs = [v.to(acc) for v in sources]
@@ -316,7 +316,7 @@ def attnres_core(backend: str, query, sources, key_norm_weight, eps: float) -> t
     model resolves ``backend`` once per forward (:func:`resolve_backend`) and calls this per use. Decides the
     compute dtype and runs ``backend`` (Triton work it cannot compute goes to torch) with autocast off. Returns
     ``(h [B, T, D], alpha [B, T, N])``."""
-    dtype = compute_dtype({query.dtype, key_norm_weight.dtype, *(v.dtype for v in sources)})
+    dtype = compute_dtype(query, sources, key_norm_weight)
     device = sources[0].device.type
     if backend == "triton" and (dtype not in TRITON_DTYPES or sources[0].shape[-1] > TRITON_MAX_DIM):
         backend = "torch"
