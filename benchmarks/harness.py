@@ -258,12 +258,16 @@ def print_header(script: str, device: torch.device, details: str) -> dict:
 
 
 def family_folder(checkout: Path, family: str) -> Path:
-    """``checkout/src/depthfusion_hf/models/<family>``; when ``checkout`` is itself a family folder (it holds an
-    ``__init__.py``), the folder ``<family>`` beside it (itself when it is that family's)."""
+    """The folder holding ``family``'s modules in ``checkout``: ``src/depthfusion_hf/models`` (one folder for every
+    family), or ``models/<family>`` in a checkout from before that layout. ``checkout`` may also be such a models
+    folder or an old family folder itself (it holds an ``__init__.py``)."""
     checkout = Path(checkout)
     if (checkout / "__init__.py").is_file():
+        if (checkout / f"modeling_{family}.py").is_file() or (checkout / family).is_dir():
+            return checkout / family if (checkout / family).is_dir() else checkout
         return checkout.parent / family
-    return checkout / "src" / "depthfusion_hf" / "models" / family
+    models = checkout / "src" / "depthfusion_hf" / "models"
+    return models / family if (models / family).is_dir() else models
 
 
 def load_family_folder(folder: Path, family: str, name: str) -> ModuleType:
@@ -276,18 +280,27 @@ def load_family_folder(folder: Path, family: str, name: str) -> ModuleType:
         FileNotFoundError: the folder has no ``__init__.py``.
     """
     folder = family_folder(folder, family)
-    if not (folder / "__init__.py").is_file():
-        raise FileNotFoundError(f"{folder} holds no family package (no __init__.py)")
+    if not (folder / "__init__.py").is_file() or not _holds_family(folder, family):
+        raise FileNotFoundError(f"{folder} holds no {family} package (no __init__.py or no modeling_{family}.py)")
     spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+        for kind in ("configuration", "modeling"):  # one folder for every family: the family's names on the package
+            loaded = importlib.import_module(f"{name}.{kind}_{family}")
+            for attribute in getattr(loaded, "__all__", None) or [a for a in vars(loaded) if not a.startswith("_")]:
+                setattr(module, attribute, getattr(module, attribute, None) or getattr(loaded, attribute))
     except BaseException:
-        del sys.modules[name]
+        for loaded_name in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[loaded_name]
         raise
     return module
+
+
+def _holds_family(folder: Path, family: str) -> bool:
+    return (folder / f"modeling_{family}.py").is_file()
 
 
 def load_before_families(checkout: Path, families: Sequence[str]) -> dict[str, ModuleType]:
@@ -296,8 +309,8 @@ def load_before_families(checkout: Path, families: Sequence[str]) -> dict[str, M
     loaded = {}
     for family in families:
         folder = family_folder(checkout, family)
-        if not (folder / "__init__.py").is_file():
-            print(f"# --before {checkout}: no {family} folder ({folder}); no {family} -before models")
+        if not (folder / "__init__.py").is_file() or not _holds_family(folder, family):
+            print(f"# --before {checkout}: no {family} package ({folder}); no {family} -before models")
             continue
         loaded[family] = load_family_folder(folder, family, f"{family}_before")
     return loaded

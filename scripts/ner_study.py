@@ -34,7 +34,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import datasets  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from depthfusion_hf.models.dwatt import FUSION_METHODS  # noqa: E402
+from depthfusion_hf.models.configuration_dwatt import FUSION_METHODS  # noqa: E402
 from depthfusion_hf.recipes.ner import NerSettings  # noqa: E402
 from depthfusion_hf.recipes.ner_study import (  # noqa: E402
     NerStudySettings,

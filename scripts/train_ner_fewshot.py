@@ -30,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from depthfusion_hf.models.dwatt import FUSION_METHODS  # noqa: E402
+from depthfusion_hf.models.configuration_dwatt import FUSION_METHODS  # noqa: E402
 from depthfusion_hf.recipes.ner import NerSettings, markdown_table, read_config, run_experiment  # noqa: E402
 
 DEFAULTS = NerSettings()

@@ -52,19 +52,27 @@ def test_record_header_and_jsonl(tmp_path):
 def test_family_folders_of_another_checkout_load_under_other_names(tmp_path, capsys):
     harness = load_benchmark("harness")
     checkout = tmp_path / "old"
-    shutil.copytree(REPO / "src" / "depthfusion_hf" / "models" / "denseformer",
-                    checkout / "src" / "depthfusion_hf" / "models" / "denseformer",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    models = checkout / "src" / "depthfusion_hf" / "models"
+    models.mkdir(parents=True)
+    (models / "__init__.py").write_text("")
+    for name in ("configuration_denseformer.py", "modeling_denseformer.py", "dwa.py", "dwa_triton.py"):
+        shutil.copy(REPO / "src" / "depthfusion_hf" / "models" / name, models / name)
+    for name in [line.split()[1] for line in (models / "modeling_denseformer.py").read_text().splitlines()
+                 if line.startswith("from .") and not (models / f"{line.split()[1][1:]}.py").exists()]:
+        shutil.copy(REPO / "src" / "depthfusion_hf" / "models" / f"{name[1:]}.py", models / f"{name[1:]}.py")
     loaded = harness.load_before_families(checkout, ["denseformer", "moda"])
-    assert list(loaded) == ["denseformer"] and "no moda folder" in capsys.readouterr().out
+    assert list(loaded) == ["denseformer"] and "no moda package" in capsys.readouterr().out
     module = loaded["denseformer"]
     assert module.__name__ == "denseformer_before"
     assert module.DenseFormerConfig.__module__ == "denseformer_before.configuration_denseformer"
     import depthfusion_hf
 
     assert module.DenseFormerForCausalLM is not depthfusion_hf.DenseFormerForCausalLM
-    folder = checkout / "src" / "depthfusion_hf" / "models" / "denseformer"
-    assert harness.family_folder(folder, "denseformer") == folder  # a family folder given directly
-    assert harness.family_folder(folder, "moda") == folder.parent / "moda"  # and its siblings
+    assert harness.family_folder(models, "denseformer") == models  # a models folder given directly
+    old_layout = tmp_path / "older" / "src" / "depthfusion_hf" / "models" / "denseformer"
+    old_layout.mkdir(parents=True)
+    (old_layout / "__init__.py").write_text("")
+    assert harness.family_folder(old_layout.parents[3], "denseformer") == old_layout  # the layout before one folder
+    assert harness.family_folder(old_layout, "moda") == old_layout.parent / "moda"  # and its siblings
     with pytest.raises(FileNotFoundError, match="no __init__.py"):
         harness.load_family_folder(tmp_path / "nothing", "moda", "moda_nothing")

@@ -4,8 +4,8 @@ Each family folder is self-contained (``save_pretrained`` copies it for remote c
 and classes are repeated in several folders. Every repeat carries a marker on the line directly above its
 ``def`` / ``class`` (above its decorators, if any), naming the original by its dotted path::
 
-    # Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_llama_shapes
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerModel.forward with DenseFormer->MoDA
+    # Copied from depthfusion_hf.models.configuration_denseformer.check_llama_shapes
+    # Copied from depthfusion_hf.models.modeling_denseformer.DenseFormerModel.forward with DenseFormer->MoDA
 
 The path is a module under ``depthfusion_hf`` followed by the object's qualified name (``Class``,
 ``function``, ``Class.method``, ``Outer.Inner``). ``with A->B, C->D`` lists plain string replacements

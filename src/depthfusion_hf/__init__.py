@@ -8,11 +8,16 @@ works without remote code.
 from transformers import AutoConfig, AutoModel
 
 from .families import FAMILIES, Family, get_family
-from .models.attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
-from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
-from .models.dwatt import DWAttConfig, DWAttForTokenClassification
-from .models.mhc import MHCConfig, MHCForCausalLM, MHCModel
-from .models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
+from .models.configuration_attnres import AttnResConfig
+from .models.configuration_denseformer import DenseFormerConfig
+from .models.configuration_dwatt import DWAttConfig
+from .models.configuration_mhc import MHCConfig
+from .models.configuration_moda import MoDAConfig
+from .models.modeling_attnres import AttnResForCausalLM, AttnResModel
+from .models.modeling_denseformer import DenseFormerForCausalLM, DenseFormerModel
+from .models.modeling_dwatt import DWAttForTokenClassification
+from .models.modeling_mhc import MHCForCausalLM, MHCModel
+from .models.modeling_moda import MoDAForCausalLM, MoDAModel
 
 __version__ = "0.1.0"
 

@@ -13,8 +13,10 @@ import os
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedConfig
 
-from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM
-from .models.moda import MoDAConfig, MoDAForCausalLM
+from .models.configuration_denseformer import DenseFormerConfig
+from .models.configuration_moda import MoDAConfig
+from .models.modeling_denseformer import DenseFormerForCausalLM
+from .models.modeling_moda import MoDAForCausalLM
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 
@@ -252,7 +254,8 @@ def llama_to_attnres(
     Returns:
         An ``AttnResForCausalLM`` on the Llama's device and dtype, in eval mode if the Llama was.
     """
-    from .models.attnres import AttnResConfig, AttnResForCausalLM
+    from .models.configuration_attnres import AttnResConfig
+    from .models.modeling_attnres import AttnResForCausalLM
 
     llama = load_llama(model_or_path, **load_kwargs)
     config = AttnResConfig(**llama_config_fields(llama.config), attnres_block_size=attnres_block_size)
@@ -281,7 +284,7 @@ def llama_to_mhc(
     """Convert a ``LlamaForCausalLM`` (object, folder or Hub id) into an ``MHCForCausalLM`` with ``hc_mult`` streams.
 
     Every Llama weight is copied under the same name. The hyper-connections start as a plain residual
-    (``models.mhc.modeling_mhc.init_as_residual``): ``fn = 0`` and ``scale = 1``, ``pre = 1/n`` (the head's too), a
+    (``models.modeling_mhc.init_as_residual``): ``fn = 0`` and ``scale = 1``, ``pre = 1/n`` (the head's too), a
     uniform ``comb`` (whose Sinkhorn result has all row sums equal to rho = 1 - O(eps)) and ``post`` spread around
     ``rho^(s+1)`` at sub-layer s over the streams (``post_spread``; the streams must differ for training to tell
     them apart). Then sub-layer s reads ``rho^s`` times the Llama's residual stream, which its pre-norm (and the
@@ -302,8 +305,8 @@ def llama_to_mhc(
     Returns:
         An ``MHCForCausalLM`` on the Llama's device and dtype, in eval mode if the Llama was.
     """
-    from .models.mhc import MHCConfig, MHCForCausalLM
-    from .models.mhc.modeling_mhc import MHCHyperConnection, MHCHyperHead, init_as_residual
+    from .models.configuration_mhc import MHCConfig
+    from .models.modeling_mhc import MHCForCausalLM, MHCHyperConnection, MHCHyperHead, init_as_residual
 
     llama = load_llama(model_or_path, **load_kwargs)
     config = MHCConfig(**llama_config_fields(llama.config), hc_mult=hc_mult, hc_sinkhorn_iters=hc_sinkhorn_iters,

@@ -26,11 +26,16 @@ from transformers import (
 )
 
 from . import convert, plotting, plotting_attnres, plotting_mhc
-from .models.attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
-from .models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
-from .models.dwatt import DWAttConfig, DWAttForTokenClassification
-from .models.mhc import MHCConfig, MHCForCausalLM, MHCModel
-from .models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
+from .models.configuration_attnres import AttnResConfig
+from .models.configuration_denseformer import DenseFormerConfig
+from .models.configuration_dwatt import DWAttConfig
+from .models.configuration_mhc import MHCConfig
+from .models.configuration_moda import MoDAConfig
+from .models.modeling_attnres import AttnResForCausalLM, AttnResModel
+from .models.modeling_denseformer import DenseFormerForCausalLM, DenseFormerModel
+from .models.modeling_dwatt import DWAttForTokenClassification
+from .models.modeling_mhc import MHCForCausalLM, MHCModel
+from .models.modeling_moda import MoDAForCausalLM, MoDAModel
 
 # An analysis plot: (trained model, output folder, one validation sequence [1, T], run label) -> file written.
 AnalysisPlot = Callable[[PreTrainedModel, Path, torch.Tensor, str], Path]

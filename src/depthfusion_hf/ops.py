@@ -4,11 +4,11 @@ The implementations live in the model folders (so that exported remote code carr
 this module only re-exports them.
 """
 
-from .models.attnres.attnres import attention_residual
-from .models.denseformer.dwa import depth_weighted_average
-from .models.mhc.mhc_connection import hyper_connection, hyper_head
-from .models.mhc.mhc_mix import hyper_mix
-from .models.moda.moda_attention import moda_attention
+from .models.attnres import attention_residual
+from .models.dwa import depth_weighted_average
+from .models.mhc_connection import hyper_connection, hyper_head
+from .models.mhc_mix import hyper_mix
+from .models.moda_attention import moda_attention
 
 __all__ = ["attention_residual", "depth_weighted_average", "hyper_connection", "hyper_head", "hyper_mix",
            "moda_attention"]

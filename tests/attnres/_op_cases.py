@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from depthfusion_hf.models.attnres.attnres import attention_residual, attnres_reference
+from depthfusion_hf.models.attnres import attention_residual, attnres_reference
 
 # (B, T, D, N): T = 1, 15, 63; D not a power of two (and D = 1); N = 1 and N = 25.
 SHAPES = [

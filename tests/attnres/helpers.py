@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from depthfusion_hf.models.attnres import AttnResConfig, AttnResForCausalLM
+from depthfusion_hf.models.configuration_attnres import AttnResConfig
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM
 from tests.causal_lm_checks import TINY_DECODER
 
 TINY = {**TINY_DECODER, "num_hidden_layers": 4}  # 8 sub-layers
@@ -92,6 +93,6 @@ def naive_attnres_forward(model: AttnResForCausalLM, input_ids: torch.Tensor):
 def set_small_numel(monkeypatch, value: int) -> None:
     """Move the torch backend's small-input threshold ``SMALL_NUMEL`` (e.g. -1: tiny test shapes take the forward
     over the list of sources, the one training sizes take, instead of the stacked one of cached decoding)."""
-    from depthfusion_hf.models.attnres import attnres
+    from depthfusion_hf.models import attnres
 
     monkeypatch.setattr(attnres, "SMALL_NUMEL", value)

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import depthfusion_hf.ops
-from depthfusion_hf.models.attnres import attnres
-from depthfusion_hf.models.attnres.attnres import attention_residual, attnres_reference, resolve_backend
+from depthfusion_hf.models import attnres
+from depthfusion_hf.models.attnres import attention_residual, attnres_reference, resolve_backend
 from tests.attnres._op_cases import (
     K_FP32,
     SHAPES,
@@ -350,7 +350,7 @@ def test_float64_work_is_routed_away_from_triton(monkeypatch, where):
                     reason="the kernel accepts these tensors here (CUDA or interpreted Triton)")
 def test_kernel_rejects_cpu_tensors_without_interpreter():
     """Called directly (bypassing resolve_backend), the kernel refuses CPU tensors instead of crashing."""
-    from depthfusion_hf.models.attnres import attnres_triton
+    from depthfusion_hf.models import attnres_triton
 
     if attnres_triton.triton is None:
         pytest.skip("Triton does not import here")

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from depthfusion_hf.models.attnres import AttnResForCausalLM
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM
 from tests.compiled_decoding import assert_compiled_decoding_matches_eager
 
 from .helpers import randomise_attnres, tiny_config

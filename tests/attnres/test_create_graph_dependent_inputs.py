@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthfusion_hf.models.attnres.attnres import attention_residual
+from depthfusion_hf.models.attnres import attention_residual
 
 from .helpers import set_small_numel
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthfusion_hf.models.attnres import AttnResForCausalLM
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM
 
 from .helpers import randomise_attnres, set_small_numel, tiny_config
 

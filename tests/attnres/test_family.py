@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfi
 
 from depthfusion_hf import FAMILIES
 from depthfusion_hf.export import PIPELINE_TAGS, check_export_folder, default_model_cards_dir, export_model
-from depthfusion_hf.models.attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
+from depthfusion_hf.models.configuration_attnres import AttnResConfig
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM, AttnResModel
 from depthfusion_hf.plotting_attnres import depth_attention_labels, plot_depth_attention_heatmap
 from tests.export.builders import bpe_tokenizer
 
@@ -151,7 +152,7 @@ def test_export_folder_is_complete_and_card_code_runs_as_written(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.rstrip().endswith("CARD OK")
     assert "torch.Size([7, 3])" in proc.stdout  # depth_attention_weights through the remote code
-    assert "depthfusion_hf.models.attnres" in proc.stdout  # the "import depthfusion_hf" block uses the package
+    assert "depthfusion_hf.models.modeling_attnres" in proc.stdout  # the "import depthfusion_hf" block uses the package
 
 
 def test_heatmap_labels_and_file(tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from depthfusion_hf.models.attnres import AttnResForCausalLM
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM
 from tests.causal_lm_checks import (
     GENERATION_MODES,
     assert_cached_generation_equals_uncached,

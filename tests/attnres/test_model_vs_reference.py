@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthfusion_hf.models.attnres import AttnResForCausalLM, AttnResMix
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM, AttnResMix
 
 from .helpers import randomise_attnres, set_small_numel, tiny_config
 

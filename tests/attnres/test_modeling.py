@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from depthfusion_hf.models.attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
-from depthfusion_hf.models.attnres.modeling_attnres import check_token_inputs
+from depthfusion_hf.models.configuration_attnres import AttnResConfig
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM, AttnResModel, check_token_inputs
 from tests.causal_lm_checks import assert_a_few_adamw_steps_lower_the_loss
 
 from .helpers import naive_attnres_forward, randomise_attnres, tiny_config, tiny_llama_config

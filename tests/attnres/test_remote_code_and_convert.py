@@ -6,7 +6,7 @@ from transformers import LlamaForCausalLM
 
 from depthfusion_hf.convert import llama_to_attnres
 from depthfusion_hf.export import save_remote_code_folder
-from depthfusion_hf.models.attnres import AttnResForCausalLM
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM
 from tests.fresh_process import run_fresh
 
 from .helpers import randomise_attnres, tiny_config, tiny_llama_config

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from depthfusion_hf.models.attnres import AttnResForCausalLM
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM
 
 from .helpers import randomise_attnres, set_small_numel, tiny_config
 

@@ -101,7 +101,7 @@ def test_the_keys_transformers_and_users_keep_in_configs_still_load(kind, tmp_pa
 def test_an_unknown_key_far_from_every_option_passes(kind, key):
     import difflib
 
-    from depthfusion_hf.models.denseformer.configuration_denseformer import FAMILY_OPTION_PREFIXES
+    from depthfusion_hf.models.configuration_denseformer import FAMILY_OPTION_PREFIXES
 
     cls = CLASSES[kind]
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -137,7 +137,7 @@ def transformers_config_fields() -> set[str]:
 def test_no_field_of_a_transformers_config_is_taken_for_a_family_option(kind):
     """Before the cutoff was 0.85, ``norm_epsilon`` (a key transformers' common tests set) was refused as a near
     miss of MoDA's ``norm_position`` (ratio 0.8); single-character typos of our options have ratio >= 0.9."""
-    from depthfusion_hf.models.denseformer.configuration_denseformer import check_unknown_options
+    from depthfusion_hf.models.configuration_denseformer import check_unknown_options
 
     cls = CLASSES[kind]
     names = transformers_config_fields() - {f.name for f in dataclasses.fields(cls)}

@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from depthfusion_hf.models.denseformer import dwa
-from depthfusion_hf.models.denseformer.dwa import depth_weighted_average
+from depthfusion_hf.models import dwa
+from depthfusion_hf.models.dwa import depth_weighted_average
 from tests.kernels.interpret import kernels_run_in_process, needs_child_process, run_interpreted
 
 BACKENDS = ["torch", "reference"] + (["triton"] if kernels_run_in_process() else [])

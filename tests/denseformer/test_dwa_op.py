@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from depthfusion_hf.models.denseformer.dwa import dwa_reference, resolve_backend
+from depthfusion_hf.models.dwa import dwa_reference, resolve_backend
 from depthfusion_hf.ops import depth_weighted_average
 
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaForCausalLM
 
 from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
-from depthfusion_hf.models.denseformer.modeling_denseformer import dwa_sources
+from depthfusion_hf.models.modeling_denseformer import dwa_sources
 from tests.causal_lm_checks import assert_a_few_adamw_steps_lower_the_loss
 from tests.kernels._dwa_cases import rel_rms
 

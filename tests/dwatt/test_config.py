@@ -4,12 +4,12 @@ import pytest
 from transformers import BertConfig, RobertaConfig
 
 from depthfusion_hf import DWAttConfig
-from depthfusion_hf.models.dwatt.configuration_dwatt import (
+from depthfusion_hf.models.configuration_dwatt import (
     concat_head_num_params,
     deeper_head_num_params,
     dwatt_head_num_params,
 )
-from depthfusion_hf.models.dwatt.sizes_dwatt import concat_params_per_unit, deeper_params_per_unit
+from depthfusion_hf.models.sizes_dwatt import concat_params_per_unit, deeper_params_per_unit
 
 from .helpers import tiny_backbone_config, tiny_config
 

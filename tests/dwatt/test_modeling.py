@@ -6,8 +6,9 @@ from torch.nn import functional as F
 from transformers import AutoModel, AutoModelForTokenClassification
 
 from depthfusion_hf import DWAttForTokenClassification
-from depthfusion_hf.models.dwatt import FUSION_METHODS, DWAttTokenClassifierOutput
-from depthfusion_hf.models.dwatt.sizes_dwatt import concat_params_per_unit, deeper_params_per_unit
+from depthfusion_hf.models.configuration_dwatt import FUSION_METHODS
+from depthfusion_hf.models.modeling_dwatt import DWAttTokenClassifierOutput
+from depthfusion_hf.models.sizes_dwatt import concat_params_per_unit, deeper_params_per_unit
 
 from .helpers import ID2LABEL, tiny_backbone_config, tiny_config, tiny_model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from depthfusion_hf.models.dwatt import DWAttLastLayerNorm
+from depthfusion_hf.models.fusion_dwatt import DWAttLastLayerNorm
 from depthfusion_hf.recipes import ner_study
 from depthfusion_hf.recipes.ner_study import NerStudySettings, paired_gain, select_point
 

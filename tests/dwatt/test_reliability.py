@@ -7,7 +7,8 @@ import torch
 from transformers import BertConfig, PreTrainedConfig
 
 from depthfusion_hf import DWAttConfig, DWAttForTokenClassification
-from depthfusion_hf.models.dwatt import FUSION_HEADS, FUSION_METHODS, DWAttFusionHead
+from depthfusion_hf.models.configuration_dwatt import FUSION_METHODS
+from depthfusion_hf.models.fusion_dwatt import FUSION_HEADS, DWAttFusionHead
 
 from .helpers import VOCAB, tiny_backbone_config, tiny_config, tiny_model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from depthfusion_hf.models.denseformer.dwa import dwa_reference
+from depthfusion_hf.models.dwa import dwa_reference
 
 # (N, S): N = 1, 2, 7; S with non-power-of-two sizes, a single element, and an empty one.
 SHAPES = [

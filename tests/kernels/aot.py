@@ -571,7 +571,8 @@ def _mhc_op(mode: str, shape: tuple[int, int, int, int], which: str) -> Callable
     """mHC's ops on streams [B, T, n, D]: ``connection`` (weights + collapse), ``head`` or ``mix``; parameters fp32
     (a model's under autocast), the streams in ``mode``'s dtype."""
     def run():
-        from depthfusion_hf.models.mhc import hyper_connection, hyper_head, hyper_mix
+        from depthfusion_hf.models.mhc_connection import hyper_connection, hyper_head
+        from depthfusion_hf.models.mhc_mix import hyper_mix
 
         with _precision(mode) as dtype:
             batch, seq, n, dim = shape
@@ -611,7 +612,8 @@ def _model(family: str, head_dim: int, mode: str):
     elif family == "attnres-full":
         config = dfh.AttnResConfig(**kwargs)
     elif family == "mhc":  # not in the family registry yet: its classes directly
-        from depthfusion_hf.models.mhc import MHCConfig, MHCForCausalLM
+        from depthfusion_hf.models.configuration_mhc import MHCConfig
+        from depthfusion_hf.models.modeling_mhc import MHCForCausalLM
 
         dtype = torch.float32 if mode.startswith("autocast-") else DTYPES[mode]
         return "mhc", MHCForCausalLM(MHCConfig(**kwargs)).to("cuda", dtype)

@@ -30,7 +30,7 @@ HALF = ("bf16", "fp16")
 
 def compile_one(job: tuple[str, str, int, int, int, bool, bool]) -> dict:
     name, dtypes, dim, capability, n_chunk, has_dx, has_du = job
-    from depthfusion_hf.models.attnres import attnres_triton as at
+    from depthfusion_hf.models import attnres_triton as at
     from tests.kernels.aot import Launch, compile_launch
 
     parts = dtypes.split("+")

@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from depthfusion_hf.models.attnres import attnres_triton  # noqa: E402
+from depthfusion_hf.models import attnres_triton  # noqa: E402
 
 BLOCK_T, BLOCK_D = 2, 4096  # distinct sizes: a token-indexed tensor is <2x...>, a row-indexed one <4096x...>
 SOURCES = {f"x{i}": "*bf16" for i in range(8)}

@@ -18,8 +18,8 @@ if not kernels_run_in_process():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (run through test_attnres_triton_interpreted.py)",
                 allow_module_level=True)
 
-from depthfusion_hf.models.attnres import attnres, attnres_triton  # noqa: E402
-from depthfusion_hf.models.attnres.attnres import attention_residual  # noqa: E402
+from depthfusion_hf.models import attnres, attnres_triton  # noqa: E402
+from depthfusion_hf.models.attnres import attention_residual  # noqa: E402
 from tests.attnres._op_cases import (  # noqa: E402
     K_FP32,
     SHAPES,
@@ -256,7 +256,7 @@ def test_model_training_under_autocast_on_triton_matches_torch(monkeypatch):
     """The same through the model (what ``Trainer(bf16=True)`` runs): a bf16-autocast training step on the Triton
     backend gives the torch backend's loss and gradients to bf16 rounding (before: the kernel read the bf16
     outputs as fp32), and the residual stream (every AttnRes call's output) stays fp32."""
-    from depthfusion_hf.models.attnres import AttnResForCausalLM
+    from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM
     from tests.attnres.helpers import randomise_attnres, tiny_config
 
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from depthfusion_hf.models.denseformer import dwa_triton  # noqa: E402
+from depthfusion_hf.models import dwa_triton  # noqa: E402
 
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # dynamic shared memory per block (CUDA guide, per capability)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

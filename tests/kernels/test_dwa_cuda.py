@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from depthfusion_hf.models.denseformer.dwa import depth_weighted_average  # noqa: E402
+from depthfusion_hf.models.dwa import depth_weighted_average  # noqa: E402
 from tests.kernels._dwa_cases import assert_matches_reference, make_inputs  # noqa: E402
 
 DEVICE = "cuda"

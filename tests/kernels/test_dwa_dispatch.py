@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from depthfusion_hf.models.denseformer import dwa
-from depthfusion_hf.models.denseformer.dwa import BACKEND_ENV_VAR, depth_weighted_average, resolve_backend
+from depthfusion_hf.models import dwa
+from depthfusion_hf.models.dwa import BACKEND_ENV_VAR, depth_weighted_average, resolve_backend
 
 CPU = torch.device("cpu")
 
@@ -117,7 +117,7 @@ def test_triton_requested_but_unavailable(no_env, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="availability is genuinely True here")
 def test_availability_false_on_cpu_without_interpreter():
-    from depthfusion_hf.models.denseformer import dwa_triton
+    from depthfusion_hf.models import dwa_triton
 
     assert dwa_triton.dwa_triton_forward_backward_available() is False
     with pytest.raises(ValueError, match="not available"):
@@ -135,7 +135,7 @@ class _Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError("No module named 'triton' (blocked by the test)")
 sys.meta_path.insert(0, _Block())
 import torch
-from depthfusion_hf.models.denseformer import dwa, dwa_triton
+from depthfusion_hf.models import dwa, dwa_triton
 assert dwa_triton.triton is None and not dwa_triton.dwa_triton_forward_backward_available()
 assert dwa.triton_depth_weighted_average is dwa_triton.triton_depth_weighted_average
 y = dwa.depth_weighted_average([torch.ones(3), 2 * torch.ones(3)], torch.tensor([1.0, 0.5]))

@@ -17,7 +17,7 @@ if not kernels_run_in_process():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (run through test_dwa_interpreted.py)", allow_module_level=True)
 
 from depthfusion_hf import DenseFormerForCausalLM  # noqa: E402
-from depthfusion_hf.models.denseformer import dwa, dwa_triton  # noqa: E402
+from depthfusion_hf.models import dwa, dwa_triton  # noqa: E402
 from tests.denseformer.helpers import randomise_dwa, tiny_config  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

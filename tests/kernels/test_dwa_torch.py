@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthfusion_hf.models.denseformer import dwa
-from depthfusion_hf.models.denseformer.dwa import depth_weighted_average, dwa_torch
+from depthfusion_hf.models import dwa
+from depthfusion_hf.models.dwa import depth_weighted_average, dwa_torch
 from tests.kernels._dwa_cases import (
     CHAINS,
     SHAPES,

@@ -26,8 +26,8 @@ from tests.kernels.interpret import kernels_run_in_process
 if not kernels_run_in_process():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (run through test_dwa_interpreted.py)", allow_module_level=True)
 
-from depthfusion_hf.models.denseformer import dwa, dwa_triton  # noqa: E402
-from depthfusion_hf.models.denseformer.dwa import depth_weighted_average  # noqa: E402
+from depthfusion_hf.models import dwa, dwa_triton  # noqa: E402
+from depthfusion_hf.models.dwa import depth_weighted_average  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

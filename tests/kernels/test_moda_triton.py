@@ -30,9 +30,9 @@ if not kernels_run_in_process():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (run through test_moda_triton_interpreted.py)",
                 allow_module_level=True)
 
-from depthfusion_hf.models.moda import moda_triton  # noqa: E402
-from depthfusion_hf.models.moda.moda_attention import moda_attention, resolve_backend  # noqa: E402
-from depthfusion_hf.models.moda.moda_triton import triton_moda_backward, triton_moda_forward  # noqa: E402
+from depthfusion_hf.models import moda_triton  # noqa: E402
+from depthfusion_hf.models.moda_attention import moda_attention, resolve_backend  # noqa: E402
+from depthfusion_hf.models.moda_triton import triton_moda_backward, triton_moda_forward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -24,8 +24,8 @@ ALL_CASES = [(dtype, n) for dtype in DTYPES for n in (1, 3, 4, 8)]
 
 
 def run_ops(dtype: torch.dtype, batch: int, tokens: int, n: int, dim: int) -> None:
-    from depthfusion_hf.models.mhc.mhc_connection import hyper_connection, hyper_head
-    from depthfusion_hf.models.mhc.mhc_mix import hyper_mix
+    from depthfusion_hf.models.mhc_connection import hyper_connection, hyper_head
+    from depthfusion_hf.models.mhc_mix import hyper_mix
 
     def empty(*shape, dtype=torch.float32):
         return torch.empty(*shape, device="cuda", dtype=dtype, requires_grad=True)

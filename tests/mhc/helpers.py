@@ -7,7 +7,8 @@ from transformers import LlamaConfig
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
-from depthfusion_hf.models.mhc import MHCConfig, MHCForCausalLM
+from depthfusion_hf.models.configuration_mhc import MHCConfig
+from depthfusion_hf.models.modeling_mhc import MHCForCausalLM
 from tests.causal_lm_checks import TINY_DECODER
 
 TINY = {**TINY_DECODER, "num_hidden_layers": 3}

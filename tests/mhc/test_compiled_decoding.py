@@ -3,7 +3,7 @@
 
 import torch
 
-from depthfusion_hf.models.mhc import MHCForCausalLM
+from depthfusion_hf.models.modeling_mhc import MHCForCausalLM
 from tests.compiled_decoding import assert_compiled_decoding_matches_eager
 
 from .helpers import randomise_mhc, tiny_config

@@ -4,8 +4,8 @@ backend equals the reference (values and every gradient, every order), dtypes, a
 import pytest
 import torch
 
-from depthfusion_hf.models.mhc import mhc_connection as hc_module
-from depthfusion_hf.models.mhc.mhc_connection import (
+from depthfusion_hf.models import mhc_connection as hc_module
+from depthfusion_hf.models.mhc_connection import (
     hyper_connection,
     hyper_connection_reference,
     hyper_connection_torch,

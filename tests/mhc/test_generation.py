@@ -4,7 +4,7 @@ ordinary KV cache suffices."""
 import pytest
 import torch
 
-from depthfusion_hf.models.mhc import MHCForCausalLM
+from depthfusion_hf.models.modeling_mhc import MHCForCausalLM
 from tests.causal_lm_checks import (
     GENERATION_MODES,
     assert_cached_generation_equals_uncached,

@@ -9,9 +9,10 @@ CPU run executes this module in an interpreted child: ``test_mhc_triton_interpre
 import pytest
 import torch
 
-from depthfusion_hf.models.mhc import MHCForCausalLM, mhc_connection, mhc_mix, mhc_triton
-from depthfusion_hf.models.mhc.mhc_connection import hyper_connection, hyper_connection_reference, hyper_head
-from depthfusion_hf.models.mhc.mhc_mix import hyper_mix, hyper_mix_reference
+from depthfusion_hf.models import mhc_connection, mhc_mix, mhc_triton
+from depthfusion_hf.models.mhc_connection import hyper_connection, hyper_connection_reference, hyper_head
+from depthfusion_hf.models.mhc_mix import hyper_mix, hyper_mix_reference
+from depthfusion_hf.models.modeling_mhc import MHCForCausalLM
 
 from .helpers import EPS, max_rel, mix_inputs, op_inputs, randomise_mhc, tiny_config
 

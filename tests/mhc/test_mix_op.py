@@ -4,7 +4,7 @@ reference (values and every gradient, every order), dtypes, autocast and bad inp
 import pytest
 import torch
 
-from depthfusion_hf.models.mhc.mhc_mix import hyper_mix, hyper_mix_reference, hyper_mix_torch
+from depthfusion_hf.models.mhc_mix import hyper_mix, hyper_mix_reference, hyper_mix_torch
 
 from .helpers import EPS, max_rel, mix_inputs
 

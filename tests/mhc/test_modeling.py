@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
-from depthfusion_hf.models.mhc import MHCConfig, MHCForCausalLM, MHCHyperConnection, MHCHyperHead, MHCModel
+from depthfusion_hf.models.configuration_mhc import MHCConfig
+from depthfusion_hf.models.modeling_mhc import MHCForCausalLM, MHCHyperConnection, MHCHyperHead, MHCModel
 from tests.causal_lm_checks import assert_a_few_adamw_steps_lower_the_loss
 
 from .helpers import EPS, float_keeps_float64, max_rel, randomise_mhc, tiny_config, transformers_modules

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from depthfusion_hf.models.mhc import MHCForCausalLM
+from depthfusion_hf.models.modeling_mhc import MHCForCausalLM
 from depthfusion_hf.plotting_mhc import check_mhc_weights, plot_mhc_analysis, plot_mhc_weights
 
 from .helpers import randomise_mhc, tiny_config

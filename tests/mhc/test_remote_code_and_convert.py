@@ -8,7 +8,7 @@ from transformers.models.llama import modeling_llama
 
 from depthfusion_hf.convert import llama_to_mhc
 from depthfusion_hf.export import save_remote_code_folder
-from depthfusion_hf.models.mhc import MHCForCausalLM
+from depthfusion_hf.models.modeling_mhc import MHCForCausalLM
 from tests.fresh_process import run_fresh
 
 from .helpers import randomise_mhc, tiny_config, tiny_llama_config

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from depthfusion_hf.models.mhc import MHCForCausalLM
+from depthfusion_hf.models.modeling_mhc import MHCForCausalLM
 
 from .helpers import EPS, randomise_mhc, tiny_config
 

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from depthfusion_hf.models.moda.moda_attention import moda_reference
+from depthfusion_hf.models.moda_attention import moda_reference
 
 # Relative RMS bound of the output per input dtype; gradients get GRAD_FACTOR times more (they
 # chain three rounded products).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthfusion_hf.models.moda.moda_attention import moda_attention
+from depthfusion_hf.models.moda_attention import moda_attention
 
 EPS64 = torch.finfo(torch.float64).eps
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from depthfusion_hf.models.moda.moda_attention import moda_attention
+from depthfusion_hf.models.moda_attention import moda_attention
 from tests.moda.fuzz_cases import Case, build, cases, op_depth
 from tests.moda.op_checks import assert_matches_reference
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from depthfusion_hf.models.moda.moda_attention import moda_attention_weights, resolve_backend
+from depthfusion_hf.models.moda_attention import moda_attention_weights, resolve_backend
 from depthfusion_hf.ops import moda_attention
 from tests.moda.op_checks import assert_matches_reference
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-import depthfusion_hf.models.moda.modeling_moda as modeling_moda
+import depthfusion_hf.models.modeling_moda as modeling_moda
 from depthfusion_hf import MoDAConfig, MoDAForCausalLM, MoDAModel
 
 from .helpers import TINY, tiny_config, tiny_llama_config, tiny_model

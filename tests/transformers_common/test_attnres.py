@@ -2,7 +2,8 @@
 
 import unittest
 
-from depthfusion_hf.models.attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
+from depthfusion_hf.models.configuration_attnres import AttnResConfig
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM, AttnResModel
 
 from .generation_mixin import GenerationTesterMixin
 from .testers import CausalLMModelTest, DecoderModelTester

@@ -2,7 +2,8 @@
 
 import unittest
 
-from depthfusion_hf.models.denseformer import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
+from depthfusion_hf.models.configuration_denseformer import DenseFormerConfig
+from depthfusion_hf.models.modeling_denseformer import DenseFormerForCausalLM, DenseFormerModel
 
 from .generation_mixin import GenerationTesterMixin
 from .testers import CausalLMModelTest, DecoderModelTester

@@ -5,7 +5,8 @@ import unittest
 
 from transformers import BertConfig, BertForTokenClassification
 
-from depthfusion_hf.models.dwatt import DWAttConfig, DWAttForTokenClassification
+from depthfusion_hf.models.configuration_dwatt import DWAttConfig
+from depthfusion_hf.models.modeling_dwatt import DWAttForTokenClassification
 
 from .testers import ENCODER_SHAPES, TokenClassificationModelTest, TokenClassificationModelTester
 from .upstream import load

@@ -11,7 +11,8 @@ from depthfusion_hf.families import FAMILIES
 if "mhc" not in FAMILIES:
     pytest.skip("the mHC family is not registered in depthfusion_hf.families yet (issue 22)", allow_module_level=True)
 
-from depthfusion_hf.models.mhc import MHCConfig, MHCForCausalLM, MHCModel  # noqa: E402
+from depthfusion_hf.models.configuration_mhc import MHCConfig  # noqa: E402
+from depthfusion_hf.models.modeling_mhc import MHCForCausalLM, MHCModel
 
 from .generation_mixin import GenerationTesterMixin  # noqa: E402
 from .testers import CausalLMModelTest, DecoderModelTester  # noqa: E402

@@ -2,7 +2,8 @@
 
 import unittest
 
-from depthfusion_hf.models.moda import MoDAConfig, MoDAForCausalLM, MoDAModel
+from depthfusion_hf.models.configuration_moda import MoDAConfig
+from depthfusion_hf.models.modeling_moda import MoDAForCausalLM, MoDAModel
 
 from .generation_mixin import GenerationTesterMixin
 from .testers import CausalLMModelTest, DecoderModelTester

@@ -50,7 +50,8 @@ from ..data import (
     tokenize_and_align,
     word_predictions,
 )
-from ..models.dwatt import FUSION_METHODS, DWAttForTokenClassification
+from ..models.configuration_dwatt import FUSION_METHODS
+from ..models.modeling_dwatt import DWAttForTokenClassification
 from ..plotting import plot_f1_vs_size
 from .ner_checks import check_settings
 

@@ -39,7 +39,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ..data import TrainingSize, build_label_list, count_entities, parse_size
-from ..models.dwatt import FUSION_METHODS
+from ..models.configuration_dwatt import FUSION_METHODS
 from ..plotting import plot_f1_vs_size
 from .ner import (
     NerSettings,

@@ -49,7 +49,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-# Copied from depthfusion_hf.models.denseformer.dwa.triton_unavailable
+# Copied from depthfusion_hf.models.dwa.triton_unavailable
 def triton_unavailable(*_args: object) -> bool:
     """Stands in for the kernel module's availability checks when it does not import: the kernel runs nowhere."""
     return False
@@ -74,7 +74,7 @@ BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
 SMALL_NUMEL = 1 << 14
 
 
-# Copied from depthfusion_hf.models.denseformer.dwa.resolve_backend with _forward_backward->, dwa_->attnres_
+# Copied from depthfusion_hf.models.dwa.resolve_backend with _forward_backward->, dwa_->attnres_
 def resolve_backend(backend: str | None, device: torch.device, config_backend: str | None = None) -> str:
     """Pick the implementation of the op: the one place that decides.
 

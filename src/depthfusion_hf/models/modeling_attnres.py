@@ -36,7 +36,7 @@ from .attnres import attnres_core, resolve_backend
 from .configuration_attnres import AttnResConfig
 
 
-# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.check_token_inputs
+# Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
 def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
     """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
 
@@ -161,7 +161,7 @@ class AttnResPreTrainedModel(LlamaPreTrainedModel):
         "depth_weights": OutputRecorder(AttnResMix, index=1),
     }
 
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerPreTrainedModel.__init__ with DenseFormer->AttnRes  # noqa: E501
+    # Copied from depthfusion_hf.models.modeling_denseformer.DenseFormerPreTrainedModel.__init__ with DenseFormer->AttnRes  # noqa: E501
     def __init__(self, config: AttnResConfig, *inputs, **kwargs):
         config.check_fields()  # a field changed after construction gets the construction error
         super().__init__(config, *inputs, **kwargs)

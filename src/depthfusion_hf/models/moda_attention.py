@@ -23,7 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-# Copied from depthfusion_hf.models.denseformer.dwa.triton_unavailable
+# Copied from depthfusion_hf.models.dwa.triton_unavailable
 def triton_unavailable(*_args: object) -> bool:
     """Stands in for the kernel module's availability checks when it does not import: the kernel runs nowhere."""
     return False
@@ -42,7 +42,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # floati
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-# Copied from depthfusion_hf.models.denseformer.dwa.resolve_backend with _forward_backward->, dwa_->moda_
+# Copied from depthfusion_hf.models.dwa.resolve_backend with _forward_backward->, dwa_->moda_
 def resolve_backend(backend: str | None, device: torch.device, config_backend: str | None = None) -> str:
     """Pick the implementation of the op: the one place that decides.
 

@@ -24,7 +24,7 @@ from .configuration_dwatt import DWAttConfig
 from .fusion_dwatt import FUSION_HEADS, DWAttDepthAttention
 
 
-# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.check_token_inputs
+# Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
 def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
     """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
 

@@ -37,7 +37,7 @@ from .mhc_connection import hyper_connection, hyper_connection_weights_reference
 from .mhc_mix import hyper_mix
 
 
-# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.check_token_inputs
+# Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
 def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
     """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
 
@@ -77,7 +77,7 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         )
 
 
-# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.prepare_decoder_inputs
+# Copied from depthfusion_hf.models.modeling_denseformer.prepare_decoder_inputs
 def prepare_decoder_inputs(
     model: nn.Module,
     input_ids: torch.LongTensor | None,
@@ -235,7 +235,7 @@ class MHCPreTrainedModel(LlamaPreTrainedModel):
         "attentions": LlamaAttention,
     }
 
-    # Copied from depthfusion_hf.models.denseformer.modeling_denseformer.DenseFormerPreTrainedModel.__init__ with DenseFormer->MHC  # noqa: E501
+    # Copied from depthfusion_hf.models.modeling_denseformer.DenseFormerPreTrainedModel.__init__ with DenseFormer->MHC  # noqa: E501
     def __init__(self, config: MHCConfig, *inputs, **kwargs):
         config.check_fields()  # a field changed after construction gets the construction error
         super().__init__(config, *inputs, **kwargs)

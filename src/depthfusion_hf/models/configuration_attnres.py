@@ -22,7 +22,7 @@ POSITIVE_ROPE_PARAMETERS = ("rope_theta", "factor", "original_max_position_embed
                             "short_factor", "long_factor")
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_positive_int
+# Copied from depthfusion_hf.models.configuration_denseformer.check_positive_int
 def check_positive_int(name: str, value, upper: int | None = None, upper_name: str | None = None) -> None:
     """Raise a ValueError naming ``name`` unless ``1 <= value (<= upper)``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (upper is not None and value > upper):
@@ -30,7 +30,7 @@ def check_positive_int(name: str, value, upper: int | None = None, upper_name: s
         raise ValueError(f"`{name}` must be {allowed}; got {value!r}")
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_real
+# Copied from depthfusion_hf.models.configuration_denseformer.check_real
 def check_real(name: str, value, lower: float | None, upper: float | None = None, closed_lower: bool = False) -> None:
     """Raise a ValueError naming ``name`` unless ``value`` is a finite real number above ``lower`` (or equal to it
     when ``closed_lower``) and below ``upper``; a ``None`` bound is not checked."""
@@ -45,7 +45,7 @@ def check_real(name: str, value, lower: float | None, upper: float | None = None
         raise ValueError(f"`{name}` must be a finite number {' and '.join(bounds)}".rstrip() + f"; got {value!r}")
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_unknown_options
+# Copied from depthfusion_hf.models.configuration_denseformer.check_unknown_options
 def check_unknown_options(config_class: type, extra_keys) -> None:
     """Raise a ValueError for a key of ``extra_keys`` (config arguments that are no field of ``config_class``) that
     looks like a depth-fusion option: a near miss of one of the class's own options, or a family option prefix.
@@ -69,7 +69,7 @@ def check_unknown_options(config_class: type, extra_keys) -> None:
                          f"{config_class.model_type!r}): {problem}. This family's options: {options}")
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_llama_shapes
+# Copied from depthfusion_hf.models.configuration_denseformer.check_llama_shapes
 def check_llama_shapes(config: LlamaConfig) -> None:
     """Validate the Llama-style fields shared by our decoders; raise a ValueError naming the field."""
     check_positive_int("vocab_size", config.vocab_size)
@@ -95,7 +95,7 @@ def check_llama_shapes(config: LlamaConfig) -> None:
     check_positive_int("max_position_embeddings", config.max_position_embeddings)
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_llama_values
+# Copied from depthfusion_hf.models.configuration_denseformer.check_llama_values
 def check_llama_values(config: LlamaConfig) -> None:
     """Validate the inherited Llama fields that are not shapes (norm eps, activation, dropout, special token ids,
     dtype, RoPE); raise a ValueError naming the field and its allowed values.
@@ -134,7 +134,7 @@ def check_llama_values(config: LlamaConfig) -> None:
                 check_real(f"rope_parameters['{key}']", number, 0.0 if key in POSITIVE_ROPE_PARAMETERS else None)
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_op_backend
+# Copied from depthfusion_hf.models.configuration_denseformer.check_op_backend
 def check_op_backend(config: LlamaConfig) -> None:
     """Validate ``op_backend``: None or one of ``OP_BACKENDS`` (any case); raise a ValueError naming it."""
     value = config.op_backend
@@ -170,7 +170,7 @@ class AttnResConfig(LlamaConfig):
     attnres_block_size: int | None = None
     op_backend: str | None = None
 
-    # Copied from depthfusion_hf.models.denseformer.configuration_denseformer.DenseFormerConfig.__post_init__
+    # Copied from depthfusion_hf.models.configuration_denseformer.DenseFormerConfig.__post_init__
     def __post_init__(self, **kwargs):
         # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
         # wrap errors in a non-ValueError exception. It runs before Llama's `__post_init__` (which divides by

@@ -41,7 +41,7 @@ from .moda_attention import moda_attention, resolve_backend
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
-# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.check_token_inputs
+# Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
 def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
     """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
 
@@ -81,7 +81,7 @@ def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         )
 
 
-# Copied from depthfusion_hf.models.denseformer.modeling_denseformer.prepare_decoder_inputs
+# Copied from depthfusion_hf.models.modeling_denseformer.prepare_decoder_inputs
 def prepare_decoder_inputs(
     model: nn.Module,
     input_ids: torch.LongTensor | None,

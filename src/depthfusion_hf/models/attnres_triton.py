@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 
 
-# Copied from depthfusion_hf.models.denseformer.dwa_triton.import_triton
+# Copied from depthfusion_hf.models.dwa_triton.import_triton
 def import_triton() -> tuple[ModuleType | None, ModuleType | None, Exception | None]:
     """``(triton, triton.language, None)``, or ``(None, None, the import error)`` where Triton does not import."""
     try:
@@ -52,7 +52,7 @@ INTERPRET_TILE_ELEMENTS = 1 << 14
 INTERPRET_MAX_PROGRAMS = 4
 
 
-# Copied from depthfusion_hf.models.denseformer.dwa_triton.dwa_triton_forward_backward_available with _forward_backward->, dwa_->attnres_  # noqa: E501
+# Copied from depthfusion_hf.models.dwa_triton.dwa_triton_forward_backward_available with _forward_backward->, dwa_->attnres_  # noqa: E501
 def attnres_triton_available() -> bool:
     """True when the fused kernels can run: Triton imports and CUDA is available or ``TRITON_INTERPRET=1``."""
     if triton is None:
@@ -60,7 +60,7 @@ def attnres_triton_available() -> bool:
     return _INTERPRET or torch.cuda.is_available()
 
 
-# Copied from depthfusion_hf.models.denseformer.dwa_triton.dwa_triton_runs_on with _forward_backward->, dwa_->attnres_
+# Copied from depthfusion_hf.models.dwa_triton.dwa_triton_runs_on with _forward_backward->, dwa_->attnres_
 def attnres_triton_runs_on(device: torch.device) -> bool:
     """True when the kernels can run on tensors of ``device``: CUDA, or CPU under ``TRITON_INTERPRET=1``."""
     return attnres_triton_available() and (device.type == "cuda" or (_INTERPRET and device.type == "cpu"))

@@ -1,6 +1,5 @@
-"""MoDA configuration: a Llama-style decoder plus the mixture-of-depths attention knobs."""
-
-from __future__ import annotations
+"""mHC configuration: a Llama-style decoder whose residual is ``hc_mult`` streams mixed by manifold-constrained
+Hyper-Connections (DeepSeek-V4; Xie et al., 2026)."""
 
 import dataclasses
 import difflib
@@ -21,10 +20,8 @@ POSITIVE_ROPE_PARAMETERS = ("rope_theta", "factor", "original_max_position_embed
                             "high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "partial_rotary_factor",
                             "short_factor", "long_factor")
 
-NORM_POSITIONS = ("pre", "post")
 
-
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_positive_int
+# Copied from depthfusion_hf.models.configuration_denseformer.check_positive_int
 def check_positive_int(name: str, value, upper: int | None = None, upper_name: str | None = None) -> None:
     """Raise a ValueError naming ``name`` unless ``1 <= value (<= upper)``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (upper is not None and value > upper):
@@ -32,7 +29,7 @@ def check_positive_int(name: str, value, upper: int | None = None, upper_name: s
         raise ValueError(f"`{name}` must be {allowed}; got {value!r}")
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_real
+# Copied from depthfusion_hf.models.configuration_denseformer.check_real
 def check_real(name: str, value, lower: float | None, upper: float | None = None, closed_lower: bool = False) -> None:
     """Raise a ValueError naming ``name`` unless ``value`` is a finite real number above ``lower`` (or equal to it
     when ``closed_lower``) and below ``upper``; a ``None`` bound is not checked."""
@@ -47,7 +44,7 @@ def check_real(name: str, value, lower: float | None, upper: float | None = None
         raise ValueError(f"`{name}` must be a finite number {' and '.join(bounds)}".rstrip() + f"; got {value!r}")
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_unknown_options
+# Copied from depthfusion_hf.models.configuration_denseformer.check_unknown_options
 def check_unknown_options(config_class: type, extra_keys) -> None:
     """Raise a ValueError for a key of ``extra_keys`` (config arguments that are no field of ``config_class``) that
     looks like a depth-fusion option: a near miss of one of the class's own options, or a family option prefix.
@@ -71,7 +68,7 @@ def check_unknown_options(config_class: type, extra_keys) -> None:
                          f"{config_class.model_type!r}): {problem}. This family's options: {options}")
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_llama_shapes
+# Copied from depthfusion_hf.models.configuration_denseformer.check_llama_shapes
 def check_llama_shapes(config: LlamaConfig) -> None:
     """Validate the Llama-style fields shared by our decoders; raise a ValueError naming the field."""
     check_positive_int("vocab_size", config.vocab_size)
@@ -97,7 +94,7 @@ def check_llama_shapes(config: LlamaConfig) -> None:
     check_positive_int("max_position_embeddings", config.max_position_embeddings)
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_llama_values
+# Copied from depthfusion_hf.models.configuration_denseformer.check_llama_values
 def check_llama_values(config: LlamaConfig) -> None:
     """Validate the inherited Llama fields that are not shapes (norm eps, activation, dropout, special token ids,
     dtype, RoPE); raise a ValueError naming the field and its allowed values.
@@ -136,7 +133,7 @@ def check_llama_values(config: LlamaConfig) -> None:
                 check_real(f"rope_parameters['{key}']", number, 0.0 if key in POSITIVE_ROPE_PARAMETERS else None)
 
 
-# Copied from depthfusion_hf.models.denseformer.configuration_denseformer.check_op_backend
+# Copied from depthfusion_hf.models.configuration_denseformer.check_op_backend
 def check_op_backend(config: LlamaConfig) -> None:
     """Validate ``op_backend``: None or one of ``OP_BACKENDS`` (any case); raise a ValueError naming it."""
     value = config.op_backend
@@ -145,47 +142,45 @@ def check_op_backend(config: LlamaConfig) -> None:
 
 
 @strict
-class MoDAConfig(LlamaConfig):
-    r"""Configuration of a MoDA decoder (Zhu et al., 2026, arXiv 2603.15619).
+class MHCConfig(LlamaConfig):
+    r"""Configuration of an mHC decoder: manifold-constrained Hyper-Connections (DeepSeek-V4; Xie et al., 2026).
 
-    A Llama decoder (RMSNorm, RoPE, SwiGLU, GQA; every Llama field keeps its meaning) whose attention
-    also reads, in the same softmax, the depth stream of the query's own token: the attention K/V of
-    every earlier layer and, with ``moda_ffn_kv``, one FFN-side K/V pair per earlier layer.
+    A Llama decoder (RMSNorm, RoPE, SwiGLU, GQA; every Llama field keeps its meaning) whose residual stream is
+    ``hc_mult`` = n parallel streams per token (the embedding copied n times). Around every attention and MLP a
+    hyper-connection reads the streams and gives per-token weights: ``pre`` collapses the streams into the
+    sub-layer's input, ``post`` spreads its output back over the streams, and ``comb``, an n x n mixing of the
+    streams, is projected towards the doubly-stochastic matrices by Sinkhorn-Knopp iterations. A final head
+    collapses the streams before the last norm. The fields are transformers' ``DeepseekV4Config``'s.
 
     Args:
-        moda_ffn_kv (`bool`, defaults to True): add the paper's "Extra FFN KV Proj.": each layer
-            except the last (whose entry no layer reads) projects its FFN input ``D -> 2 * Hkv * d``
-            to one more depth K/V pair. Layer ``l`` then reads ``2 l`` depth entries (``l`` without).
-        norm_position (`str`, defaults to ``"pre"``): ``"pre"`` is Llama's pre-norm block;
-            ``"post"`` is the classic post-norm block ``h = norm(x + attn(x)); y = norm(h + mlp(h))``,
-            which the paper finds gains more from MoDA. Allowed: ``"pre"``, ``"post"``.
-        moda_depth_window (`int` or None, defaults to None): W, keep only the depth entries written by
-            the last ``W`` layers (layer ``l`` reads those of layers ``max(0, l - W) .. l - 1``), so the
-            depth cost grows as ``L W`` instead of ``L^2`` (the paper's §6.2 direction). None reads every
-            earlier layer (the paper's MoDA). Allowed: None or ``1 <= W <= num_hidden_layers``.
-        op_backend (`str` or None, defaults to None): which implementation of the family's op runs:
-            ``"reference"`` (the paper's loop), ``"torch"`` (vectorised PyTorch), ``"triton"`` (the fused
-            kernel, CUDA), or None / ``"auto"`` (Triton for CUDA tensors when it imports, else PyTorch). An
+        hc_mult (`int`, defaults to 4): n, the number of residual streams. Allowed: ``n >= 1``; ``n = 1`` is a
+            plain residual whose sub-layer outputs and inputs pass through learned per-token gates.
+        hc_sinkhorn_iters (`int`, defaults to 20): Sinkhorn-Knopp iterations projecting ``comb`` (one column
+            normalisation, then ``iters - 1`` times rows and columns). Allowed: ``>= 1``.
+        hc_eps (`float`, defaults to 1e-6): added to ``pre`` and to ``comb`` after its softmax, and to every
+            Sinkhorn denominator. Allowed: a finite number > 0.
+        op_backend (`str` or None, defaults to None): which implementation of the family's ops runs:
+            ``"reference"`` (the formulas' loops), ``"torch"`` (vectorised PyTorch), ``"triton"`` (the fused
+            kernels, CUDA), or None / ``"auto"`` (Triton for CUDA tensors when it imports, else PyTorch). An
             op's ``backend=`` argument and ``$DEPTHFUSION_BACKEND`` take precedence over it.
 
+    The streams are normalised by an unweighted RMSNorm with the Llama ``rms_norm_eps`` before the projection,
+    as in transformers' ``DeepseekV4HyperConnection``. Every inherited Llama field is validated as for the other
+    decoder families, and an unknown key that looks like a family option (``hc_mutl``) is an error naming the
+    nearest valid field.
+
     Example:
-        >>> config = MoDAConfig(num_hidden_layers=36, hidden_size=1024, norm_position="post")
+        >>> config = MHCConfig(num_hidden_layers=12, hc_mult=4)
     """
 
-    model_type = "moda"
+    model_type = "mhc"
 
-    moda_ffn_kv: bool = True
-    norm_position: str = "pre"
-    moda_depth_window: int | None = None
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float | int = 1e-6
     op_backend: str | None = None
 
-    @property
-    def base_model_tp_plan(self) -> dict[str, str]:
-        """Llama's plan, plus the FFN-side depth K/V projection where the layers have one (``moda_ffn_kv``): it is
-        laid out head-major ([Hkv, 2, d]), so a column-wise shard holds whole heads, like k_proj / v_proj."""
-        return {**LlamaConfig.base_model_tp_plan, **({"layers.*.ffn_kv_proj": "colwise"} if self.moda_ffn_kv else {})}
-
-    # Copied from depthfusion_hf.models.denseformer.configuration_denseformer.DenseFormerConfig.__post_init__
+    # Copied from depthfusion_hf.models.configuration_denseformer.DenseFormerConfig.__post_init__
     def __post_init__(self, **kwargs):
         # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
         # wrap errors in a non-ValueError exception. It runs before Llama's `__post_init__` (which divides by
@@ -198,23 +193,15 @@ class MoDAConfig(LlamaConfig):
     def check_fields(self) -> None:
         """Validate every field; raise a ValueError naming the field and its allowed values.
 
-        Runs at construction and again when a model is built from this config, so that a field
-        changed after construction (e.g. ``config.moda_depth_window = 0``) gets the same error.
+        Runs at construction and again when a model is built from this config, so that a field changed after
+        construction (e.g. ``config.hc_mult = 0``) gets the same error.
         """
         check_llama_shapes(self)
         check_llama_values(self)
         check_op_backend(self)
-        if not isinstance(self.moda_ffn_kv, bool):
-            raise ValueError(f"`moda_ffn_kv` must be a bool (True or False); got {self.moda_ffn_kv!r}")
-        if self.norm_position not in NORM_POSITIONS:
-            raise ValueError(f"`norm_position` must be one of {NORM_POSITIONS}; got {self.norm_position!r}")
-        if self.attention_dropout:
-            raise ValueError(
-                f"`attention_dropout` must be 0.0 (the MoDA op has no dropout); got {self.attention_dropout!r}"
-            )
-        if self.moda_depth_window is not None:
-            check_positive_int("moda_depth_window", self.moda_depth_window, self.num_hidden_layers,
-                               "at most num_hidden_layers, or None for all earlier layers")
+        check_positive_int("hc_mult", self.hc_mult)
+        check_positive_int("hc_sinkhorn_iters", self.hc_sinkhorn_iters)
+        check_real("hc_eps", self.hc_eps, 0.0)
 
 
-__all__ = ["MoDAConfig"]
+__all__ = ["MHCConfig"]
