@@ -1,4 +1,4 @@
-"""The decoder configs (DenseFormer, MoDA, AttnRes) reject what they cannot use, by construction and from a saved
+"""The decoder configs (DenseFormer, MoDA, AttnRes, mHC) reject what they cannot use, by construction and from a saved
 ``config.json``: misspelt or foreign family options (naming the nearest valid name) and impossible values of the
 inherited Llama fields (NaN or <= 0 norm eps and RoPE parameters, unknown activations, special token ids outside
 the vocabulary, ...); the keys transformers and users keep in configs pass through. (``train_clm.py --config``
@@ -18,9 +18,17 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.activations import ACT2FN
 
-from depthfusion_hf import AttnResConfig, DenseFormerConfig, MoDAConfig
+from depthfusion_hf import AttnResConfig, DenseFormerConfig, MHCConfig, MoDAConfig
+from depthfusion_hf.models.depthfusion_common import (
+    DECODER_CONFIGS,
+    DecoderConfigMixin,
+    check_unknown_options,
+    one_typo_apart,
+)
 
-CLASSES = {"denseformer": DenseFormerConfig, "moda": MoDAConfig, "attnres": AttnResConfig}
+CLASSES = {"denseformer": DenseFormerConfig, "moda": MoDAConfig, "attnres": AttnResConfig, "mhc": MHCConfig}
+# The prefixes of the decoder families' options (each config declares its own `option_prefix`).
+OPTION_PREFIXES = tuple(cls.option_prefix for cls in DECODER_CONFIGS)
 TINY = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
 SETTINGS = dict(max_examples=40, deadline=None, derandomize=True, database=None)
 
@@ -78,6 +86,27 @@ def test_another_familys_option_is_an_error_naming_it(kind, key, tmp_path):
             load(tmp_path)
 
 
+@pytest.mark.parametrize("typo,nearest", [("hc_iters", "hc_sinkhorn_iters"), ("hc_epsilon", "hc_eps"),
+                                           ("hc_streams", "hc_mult"), ("hc_sinkhorn", "hc_sinkhorn_iters")])
+def test_a_key_with_the_familys_option_prefix_is_an_error_naming_the_nearest_option(typo, nearest, tmp_path):
+    """Before, `MHCConfig(hc_iters=5)` left `hc_sinkhorn_iters` at 20 and `hc_epsilon=1e-3` left `hc_eps` at 1e-6:
+    the check knew a fixed list of family prefixes (`mhc_`, not mHC's `hc_`) and only near misses (ratio >= 0.85)."""
+    with pytest.raises(ValueError, match=f"`{typo}` is not a field of MHCConfig") as info:
+        MHCConfig(**TINY, **{typo: 5})
+    if nearest != "hc_mult":  # "streams" shares no word with an option: the closest name is only a guess
+        assert f"nearest valid name is `{nearest}`" in str(info.value)
+    (tmp_path / "config.json").write_text(json.dumps(MHCConfig(**TINY).to_dict() | {typo: 5}))
+    with pytest.raises(ValueError, match=f"`{typo}` is not a field of MHCConfig"):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+def test_a_decoder_config_without_an_option_prefix_is_refused_when_defined():
+    """The unknown-option check reads each config's own `option_prefix`: a new family cannot forget it."""
+    with pytest.raises(TypeError, match="must set `option_prefix`"):
+        type("NewFamilyConfig", (DecoderConfigMixin, LlamaConfig), {"model_type": "new"})
+    assert {cls.__name__ for cls in DECODER_CONFIGS} >= {cls.__name__ for cls in CLASSES.values()}
+
+
 # Keys transformers, the Hub and users keep in configs: they must keep loading.
 PASSED_THROUGH = {"auto_map": {"AutoConfig": "x.Y"}, "torch_dtype": "float32", "tokenizer_class": "LlamaTokenizer",
                   "sep_token_id": 3, "decoder_start_token_id": 1, "num_labels": 2, "rope_theta": 5000.0,
@@ -101,12 +130,12 @@ def test_the_keys_transformers_and_users_keep_in_configs_still_load(kind, tmp_pa
 def test_an_unknown_key_far_from_every_option_passes(kind, key):
     import difflib
 
-    from depthfusion_hf.models.configuration_denseformer import FAMILY_OPTION_PREFIXES
-
     cls = CLASSES[kind]
     fields = {f.name for f in dataclasses.fields(cls)}
-    looks_like_an_option = difflib.get_close_matches(key, options(cls), n=1, cutoff=0.85) or key.startswith(
-        FAMILY_OPTION_PREFIXES)
+    every_option = {name for other in DECODER_CONFIGS for name in options(other)}
+    looks_like_an_option = (difflib.get_close_matches(key, options(cls), n=1, cutoff=0.85)
+                            or any(one_typo_apart(key, name) for name in options(cls))
+                            or key.startswith(OPTION_PREFIXES) or key in every_option)
     if key in fields or looks_like_an_option or key in ("rope_scaling", "rope_theta", "rope_type", "num_labels"):
         return
     assert getattr(cls(**TINY, **{key: 1}), key) == 1
@@ -136,13 +165,15 @@ def transformers_config_fields() -> set[str]:
 @pytest.mark.parametrize("kind", sorted(CLASSES))
 def test_no_field_of_a_transformers_config_is_taken_for_a_family_option(kind):
     """Before the cutoff was 0.85, ``norm_epsilon`` (a key transformers' common tests set) was refused as a near
-    miss of MoDA's ``norm_position`` (ratio 0.8); single-character typos of our options have ratio >= 0.9."""
-    from depthfusion_hf.models.configuration_denseformer import check_unknown_options
-
+    miss of MoDA's ``norm_position`` (ratio 0.8); single-character typos of our options have ratio >= 0.9. Refused
+    on purpose: only the hyper-connection options of transformers' configs (``hc_*``), which mHC's prefix claims
+    (mHC's own are DeepSeek-V4's; ``hc_lowrank`` and the like are options mHC does not have)."""
     cls = CLASSES[kind]
     names = transformers_config_fields() - {f.name for f in dataclasses.fields(cls)}
     assert len(names) > 1000 and {"norm_epsilon", "dilation", "n_positions", "max_period"} <= names
-    check_unknown_options(cls, sorted(names))  # raises on the first one it would refuse
+    claimed = {name for name in names if name.startswith(OPTION_PREFIXES)}
+    assert claimed and all(name.startswith("hc_") for name in claimed), claimed
+    check_unknown_options(cls, sorted(names - claimed))  # raises on the first one it would refuse
 
 
 # (field, bad values): each was accepted before and gave NaN logits, a bare KeyError / assertion, or a silent change.

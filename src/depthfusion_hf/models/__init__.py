@@ -1,1 +1,1 @@
-"""The model families. Each folder is self-contained so that it can be exported as remote code."""
+"""The model families, one flat folder: a saved remote-code folder gets a family's files and depthfusion_common.py."""

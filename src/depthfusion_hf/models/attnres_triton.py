@@ -19,27 +19,12 @@ set before import. This module never imports the dispatcher (``attnres.py``).
 """
 
 import contextlib
-import os
-from types import ModuleType
 
 import torch
 
-
-# Copied from depthfusion_hf.models.dwa_triton.import_triton
-def import_triton() -> tuple[ModuleType | None, ModuleType | None, Exception | None]:
-    """``(triton, triton.language, None)``, or ``(None, None, the import error)`` where Triton does not import."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        return None, None, exc
-    return triton, tl, None
-
+from .depthfusion_common import TRITON_INTERPRET, import_triton
 
 triton, tl, _TRITON_IMPORT_ERROR = import_triton()
-
-# Set when this module is imported: Triton reads TRITON_INTERPRET at import time as well.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Largest hidden size: a program holds whole rows (at 16,384 every kernel spills registers, sm_80 and sm_90).
@@ -50,20 +35,6 @@ SOURCES_PER_LAUNCH = 8  # pointer arguments per launch (x0..x7)
 # exercise several tiles per program and masked tails).
 INTERPRET_TILE_ELEMENTS = 1 << 14
 INTERPRET_MAX_PROGRAMS = 4
-
-
-# Copied from depthfusion_hf.models.dwa_triton.dwa_triton_forward_backward_available with _forward_backward->, dwa_->attnres_  # noqa: E501
-def attnres_triton_available() -> bool:
-    """True when the fused kernels can run: Triton imports and CUDA is available or ``TRITON_INTERPRET=1``."""
-    if triton is None:
-        return False
-    return _INTERPRET or torch.cuda.is_available()
-
-
-# Copied from depthfusion_hf.models.dwa_triton.dwa_triton_runs_on with _forward_backward->, dwa_->attnres_
-def attnres_triton_runs_on(device: torch.device) -> bool:
-    """True when the kernels can run on tensors of ``device``: CUDA, or CPU under ``TRITON_INTERPRET=1``."""
-    return attnres_triton_available() and (device.type == "cuda" or (_INTERPRET and device.type == "cpu"))
 
 
 if triton is not None:
@@ -196,7 +167,7 @@ def _launch_shape(dim: int, tile: tuple[int, int]) -> tuple[int, int, int]:
     row longer than 16 warps allow gets 16: D = 8,192 in the gradients kernel)."""
     elements, per_thread = tile
     block_d = triton.next_power_of_2(dim)
-    if _INTERPRET:
+    if TRITON_INTERPRET:
         return max(1, min(64, INTERPRET_TILE_ELEMENTS // block_d)), block_d, 1
     block_t = max(1, min(64, elements // block_d))
     return block_t, block_d, min(16, max(4, block_t * block_d // (32 * per_thread)))
@@ -228,7 +199,7 @@ def _check(query: torch.Tensor, sources: list[torch.Tensor], key_norm_weight: to
                          "(use backend='torch')")
     if first.shape[-1] > MAX_DIM:
         raise ValueError(f"the Triton attention_residual supports D <= {MAX_DIM}; got D={first.shape[-1]}")
-    if first.device.type != "cuda" and not _INTERPRET:
+    if first.device.type != "cuda" and not TRITON_INTERPRET:
         raise ValueError(f"the Triton attention_residual needs CUDA tensors (or TRITON_INTERPRET=1); "
                          f"got {first.device}")
 
@@ -297,8 +268,9 @@ class _TritonAttentionResidual(torch.autograd.Function):
         dxs = [torch.empty(shape, dtype=x.dtype, device=device) for x in xs] if need_dx else xs
         block_t, block_d, warps = _launch_shape(dim, GRADS_TILE)
         num_tiles = triton.cdiv(tokens, block_t)
-        cap = INTERPRET_MAX_PROGRAMS if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
-        programs = max(1, min(num_tiles, cap if _INTERPRET else 4 * cap))
+        cap = (INTERPRET_MAX_PROGRAMS if TRITON_INTERPRET
+               else torch.cuda.get_device_properties(device).multi_processor_count)
+        programs = max(1, min(num_tiles, cap if TRITON_INTERPRET else 4 * cap))
         du_partial = torch.zeros((programs, dim), dtype=torch.float32, device=device)
         u = (query.float() * key_norm_weight.float()).contiguous()
         with _on(device):

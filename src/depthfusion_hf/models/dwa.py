@@ -26,83 +26,30 @@ once; a source's gradient ``w[n] * g`` is rounded once to that source's dtype, t
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 from collections.abc import Sequence
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-
-def triton_unavailable(*_args: object) -> bool:
-    """Stands in for the kernel module's availability checks when it does not import: the kernel runs nowhere."""
-    return False
-
+from .depthfusion_common import BACKEND_ENV_VAR, BACKENDS  # noqa: F401 - part of the op's API
+from .depthfusion_common import resolve_backend as resolve_op_backend
 
 try:  # Triton is optional: the model loads and runs without it.
-    from .dwa_triton import (
-        TRITON_DWA_DTYPES,
-        dwa_triton_forward_backward_available,
-        dwa_triton_runs_on,
-        triton_depth_weighted_average,
-    )
+    from .dwa_triton import TRITON_DWA_DTYPES, triton_depth_weighted_average
 except Exception:  # pragma: no cover - depends on the environment
     TRITON_DWA_DTYPES = ()
     triton_depth_weighted_average = None
-    dwa_triton_forward_backward_available = dwa_triton_runs_on = triton_unavailable
 
 
-BACKENDS = ("reference", "torch", "triton")
-BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
 # The dtypes every path computes correctly (states and weights); others are rejected, not rounded.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def resolve_backend(backend: str | None, device: torch.device, config_backend: str | None = None) -> str:
-    """Pick the implementation of the op: the one place that decides.
-
-    ========================  =====================================================================
-    precedence                where it comes from
-    ========================  =====================================================================
-    1. ``backend``            the op's ``backend=`` argument
-    2. ``$DEPTHFUSION_BACKEND``  the environment variable (an override for a whole process)
-    3. ``config_backend``     the model config's ``op_backend`` field (a model passes it)
-    4. automatic              Triton for CUDA tensors when the kernel imports, else PyTorch
-    ========================  =====================================================================
-
-    A model calls this once per forward pass and device with ``backend=None``; that choice is logged at DEBUG
-    (an explicit ``backend`` is not logged: ops called with a resolved backend stay silent).
-
-    Args:
-        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
-        device: the device of the op's tensors.
-        config_backend: the config's ``op_backend`` (same values), used when neither ``backend`` nor the
-            environment variable is set.
-    Returns:
-        ``"reference"``, ``"torch"`` or ``"triton"``.
-    Raises:
-        ValueError: for an unknown name, or ``"triton"`` where the kernel cannot run (no Triton, or
-            tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
-    """
-    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR) or config_backend or "auto"
-    if not isinstance(choice, str):
-        raise ValueError(f"backend must be one of {('auto',) + BACKENDS} or None; got {choice!r}")
-    choice = choice.lower()
-    if choice == "auto":
-        use_triton = device.type == "cuda" and dwa_triton_forward_backward_available()
-        choice = "triton" if use_triton else "torch"
-    elif choice not in BACKENDS:
-        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
-    elif choice == "triton" and not dwa_triton_forward_backward_available():
-        raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
-    elif choice == "triton" and not dwa_triton_runs_on(device):
-        raise ValueError(
-            f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
-        )
-    if backend is None and not torch.compiler.is_compiling():  # a log call would break a compiled graph
-        logger.debug("%s: backend %r on %s", __name__, choice, device)
-    return choice
+    """The DWA backend: ``"reference"``, ``"torch"`` or ``"triton"``, chosen by the one rule of
+    :func:`depthfusion_common.resolve_backend` (the ``backend`` argument, ``$DEPTHFUSION_BACKEND``, the config's
+    ``op_backend``, automatic); a ValueError for an unknown name or a Triton backend that cannot run."""
+    kernels_imported = triton_depth_weighted_average is not None
+    return resolve_op_backend(backend, device, config_backend, kernels_imported=kernels_imported, op=__name__)
 
 
 def _as_list(states: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -20,26 +20,12 @@ set before this module is imported.
 from __future__ import annotations
 
 import contextlib
-import os
-from types import ModuleType
 
 import torch
 
-
-def import_triton() -> tuple[ModuleType | None, ModuleType | None, Exception | None]:
-    """``(triton, triton.language, None)``, or ``(None, None, the import error)`` where Triton does not import."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        return None, None, exc
-    return triton, tl, None
-
+from .depthfusion_common import TRITON_INTERPRET, import_triton, triton_runs_on
 
 triton, tl, _TRITON_IMPORT_ERROR = import_triton()
-
-# Set when this module is imported: Triton reads TRITON_INTERPRET at import time as well.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # The compute dtypes the kernels produce (fp32 accumulation); the dispatcher in dwa.py sends float64 to PyTorch.
 TRITON_DWA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -52,18 +38,6 @@ INTERPRET_MAX_BLOCK = 1 << 14
 
 # The largest 1-D grid CUDA launches (x dimension).
 MAX_GRID = 2**31 - 1
-
-
-def dwa_triton_forward_backward_available() -> bool:
-    """True when the fused kernels can run: Triton imports and CUDA is available or ``TRITON_INTERPRET=1``."""
-    if triton is None:
-        return False
-    return _INTERPRET or torch.cuda.is_available()
-
-
-def dwa_triton_runs_on(device: torch.device) -> bool:
-    """True when the kernels can run on tensors of ``device``: CUDA, or CPU under ``TRITON_INTERPRET=1``."""
-    return dwa_triton_forward_backward_available() and (device.type == "cuda" or (_INTERPRET and device.type == "cpu"))
 
 
 if triton is not None:
@@ -150,7 +124,7 @@ if triton is not None:
 def launch_config(numel: int) -> tuple[int, int, int]:
     """``(BLOCK, num_warps, number of blocks)``: 1024 elements per program on GPUs (larger when interpreted);
     a ValueError when the grid would pass CUDA's limit."""
-    if _INTERPRET:
+    if TRITON_INTERPRET:
         block, num_warps = max(16, min(triton.next_power_of_2(max(numel, 1)), INTERPRET_MAX_BLOCK)), 1
     else:
         block, num_warps = 1024, 4
@@ -273,7 +247,7 @@ def triton_depth_weighted_average(sources: list[torch.Tensor], weights: torch.Te
             (f"states[{n}]", x.dtype) for n, x in enumerate(sources)]]:
         if t not in TRITON_DWA_DTYPES:
             raise ValueError(f"the Triton DWA supports {TRITON_DWA_DTYPES}; {name} is {t}")
-    if not dwa_triton_runs_on(sources[0].device) or weights.device != sources[0].device:
+    if not triton_runs_on(sources[0].device) or weights.device != sources[0].device:
         raise ValueError(
             f"the Triton DWA runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), all on one device; "
             f"got states on {sources[0].device}, weights on {weights.device}"

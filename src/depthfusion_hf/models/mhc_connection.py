@@ -31,87 +31,34 @@ computation; an fp32 model's streams stay fp32 under autocast, as a Llama's resi
 Self-contained (``torch`` and same-folder imports only): ``save_pretrained`` copies it next to the model code.
 """
 
-import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
+from .depthfusion_common import BACKEND_ENV_VAR, BACKENDS  # noqa: F401 - part of the op's API
+from .depthfusion_common import resolve_backend as resolve_op_backend
 from .mhc_inputs import autocast_off, cast, check_positive, check_streams, check_tensor, weight_dtype
-
-logger = logging.getLogger(__name__)
-
-
-# Copied from depthfusion_hf.models.dwa.triton_unavailable
-def triton_unavailable(*_args: object) -> bool:
-    """Stands in for the kernel module's availability checks when it does not import: the kernel runs nowhere."""
-    return False
-
 
 try:  # Triton is optional: the model loads and runs without it.
     from .mhc_triton import (
         MHC_TRITON_DTYPES,
         TRITON_MAX_STREAMS,
-        mhc_triton_available,
-        mhc_triton_runs_on,
         triton_hyper_connection,
     )
 except Exception:  # pragma: no cover - depends on the environment
     MHC_TRITON_DTYPES = ()
     TRITON_MAX_STREAMS = 0
     triton_hyper_connection = None
-    mhc_triton_available = mhc_triton_runs_on = triton_unavailable
 
 
-BACKENDS = ("reference", "torch", "triton")
-BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
 
 
-# Copied from depthfusion_hf.models.dwa.resolve_backend with _forward_backward->, dwa_->mhc_
 def resolve_backend(backend: str | None, device: torch.device, config_backend: str | None = None) -> str:
-    """Pick the implementation of the op: the one place that decides.
-
-    ========================  =====================================================================
-    precedence                where it comes from
-    ========================  =====================================================================
-    1. ``backend``            the op's ``backend=`` argument
-    2. ``$DEPTHFUSION_BACKEND``  the environment variable (an override for a whole process)
-    3. ``config_backend``     the model config's ``op_backend`` field (a model passes it)
-    4. automatic              Triton for CUDA tensors when the kernel imports, else PyTorch
-    ========================  =====================================================================
-
-    A model calls this once per forward pass and device with ``backend=None``; that choice is logged at DEBUG
-    (an explicit ``backend`` is not logged: ops called with a resolved backend stay silent).
-
-    Args:
-        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
-        device: the device of the op's tensors.
-        config_backend: the config's ``op_backend`` (same values), used when neither ``backend`` nor the
-            environment variable is set.
-    Returns:
-        ``"reference"``, ``"torch"`` or ``"triton"``.
-    Raises:
-        ValueError: for an unknown name, or ``"triton"`` where the kernel cannot run (no Triton, or
-            tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
-    """
-    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR) or config_backend or "auto"
-    if not isinstance(choice, str):
-        raise ValueError(f"backend must be one of {('auto',) + BACKENDS} or None; got {choice!r}")
-    choice = choice.lower()
-    if choice == "auto":
-        use_triton = device.type == "cuda" and mhc_triton_available()
-        choice = "triton" if use_triton else "torch"
-    elif choice not in BACKENDS:
-        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
-    elif choice == "triton" and not mhc_triton_available():
-        raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
-    elif choice == "triton" and not mhc_triton_runs_on(device):
-        raise ValueError(
-            f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
-        )
-    if backend is None and not torch.compiler.is_compiling():  # a log call would break a compiled graph
-        logger.debug("%s: backend %r on %s", __name__, choice, device)
-    return choice
+    """The mHC backend: ``"reference"``, ``"torch"`` or ``"triton"``, chosen by the one rule of
+    :func:`depthfusion_common.resolve_backend` (the ``backend`` argument, ``$DEPTHFUSION_BACKEND``, the config's
+    ``op_backend``, automatic); a ValueError for an unknown name or a Triton backend that cannot run."""
+    return resolve_op_backend(backend, device, config_backend, kernels_imported=triton_hyper_connection is not None,
+                              op=__name__)
 
 
 def check_hyper_connection_inputs(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, head: bool) -> None:

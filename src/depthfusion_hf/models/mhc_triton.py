@@ -21,47 +21,18 @@ kernels run under ``TRITON_INTERPRET=1``, set before this module is imported.
 """
 
 import contextlib
-import os
-from types import ModuleType
 
 import torch
 
-
-# Copied from depthfusion_hf.models.dwa_triton.import_triton
-def import_triton() -> tuple[ModuleType | None, ModuleType | None, Exception | None]:
-    """``(triton, triton.language, None)``, or ``(None, None, the import error)`` where Triton does not import."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        return None, None, exc
-    return triton, tl, None
-
+from .depthfusion_common import TRITON_INTERPRET, import_triton
 
 triton, tl, _TRITON_IMPORT_ERROR = import_triton()
-
-# Set when this module is imported: Triton reads TRITON_INTERPRET at import time as well.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # The streams' dtypes the kernels read (fp32 arithmetic); the dispatchers send float64 work to PyTorch.
 MHC_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The most streams the kernels take (their [NP, NP] tiles and [R, BLOCK_K] projection tiles live in registers: with
 # more, the projection kernels spill on sm_80 / sm_90); more go to PyTorch.
 TRITON_MAX_STREAMS = 8
-
-
-# Copied from depthfusion_hf.models.dwa_triton.dwa_triton_forward_backward_available with _forward_backward->, dwa_->mhc_  # noqa: E501
-def mhc_triton_available() -> bool:
-    """True when the fused kernels can run: Triton imports and CUDA is available or ``TRITON_INTERPRET=1``."""
-    if triton is None:
-        return False
-    return _INTERPRET or torch.cuda.is_available()
-
-
-# Copied from depthfusion_hf.models.dwa_triton.dwa_triton_runs_on with _forward_backward->, dwa_->mhc_
-def mhc_triton_runs_on(device: torch.device) -> bool:
-    """True when the kernels can run on tensors of ``device``: CUDA, or CPU under ``TRITON_INTERPRET=1``."""
-    return mhc_triton_available() and (device.type == "cuda" or (_INTERPRET and device.type == "cpu"))
 
 
 if triton is not None:
@@ -438,7 +409,7 @@ class _HyperConnectionTriton(torch.autograd.Function):
                 d_x = d_x.view(shape)
             if ctx.needs_input_grad[1]:
                 k_blocks = triton.cdiv(width, block_k)
-                splits = max(1, min(triton.cdiv(num, 64), 2 if _INTERPRET else triton.cdiv(512, k_blocks)))
+                splits = max(1, min(triton.cdiv(num, 64), 2 if TRITON_INTERPRET else triton.cdiv(512, k_blocks)))
                 per_split = triton.cdiv(triton.cdiv(num, splits), 16) * 16
                 part = torch.empty(splits, rows, width, device=device, dtype=torch.float32)
                 hc_fn_bwd_kernel[(k_blocks, splits)](d_p, x, part, num, width, rows, x.stride(0), per_split,

@@ -13,80 +13,30 @@ in :class:`_MoDAFunction`) and the Triton kernels of ``moda_triton.py`` (the sam
 
 import contextlib
 import functools
-import logging
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-
-# Copied from depthfusion_hf.models.dwa.triton_unavailable
-def triton_unavailable(*_args: object) -> bool:
-    """Stands in for the kernel module's availability checks when it does not import: the kernel runs nowhere."""
-    return False
-
+from .depthfusion_common import BACKEND_ENV_VAR, BACKENDS  # noqa: F401 - part of the op's API
+from .depthfusion_common import resolve_backend as resolve_op_backend
 
 try:  # Triton is optional: the model loads and runs without it.
-    from .moda_triton import moda_triton_available, moda_triton_runs_on, triton_moda_backward, triton_moda_forward
+    from .moda_triton import triton_moda_backward, triton_moda_forward
 except Exception:  # pragma: no cover - depends on the environment
     triton_moda_forward = triton_moda_backward = None
-    moda_triton_available = moda_triton_runs_on = triton_unavailable
 
-BACKENDS = ("reference", "torch", "triton")
-BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # floating inputs every path computes
 # SDPA's fused CPU kernel; it also returns the row log-sum-exp, which no public API gives.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-# Copied from depthfusion_hf.models.dwa.resolve_backend with _forward_backward->, dwa_->moda_
 def resolve_backend(backend: str | None, device: torch.device, config_backend: str | None = None) -> str:
-    """Pick the implementation of the op: the one place that decides.
-
-    ========================  =====================================================================
-    precedence                where it comes from
-    ========================  =====================================================================
-    1. ``backend``            the op's ``backend=`` argument
-    2. ``$DEPTHFUSION_BACKEND``  the environment variable (an override for a whole process)
-    3. ``config_backend``     the model config's ``op_backend`` field (a model passes it)
-    4. automatic              Triton for CUDA tensors when the kernel imports, else PyTorch
-    ========================  =====================================================================
-
-    A model calls this once per forward pass and device with ``backend=None``; that choice is logged at DEBUG
-    (an explicit ``backend`` is not logged: ops called with a resolved backend stay silent).
-
-    Args:
-        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
-        device: the device of the op's tensors.
-        config_backend: the config's ``op_backend`` (same values), used when neither ``backend`` nor the
-            environment variable is set.
-    Returns:
-        ``"reference"``, ``"torch"`` or ``"triton"``.
-    Raises:
-        ValueError: for an unknown name, or ``"triton"`` where the kernel cannot run (no Triton, or
-            tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
-    """
-    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR) or config_backend or "auto"
-    if not isinstance(choice, str):
-        raise ValueError(f"backend must be one of {('auto',) + BACKENDS} or None; got {choice!r}")
-    choice = choice.lower()
-    if choice == "auto":
-        use_triton = device.type == "cuda" and moda_triton_available()
-        choice = "triton" if use_triton else "torch"
-    elif choice not in BACKENDS:
-        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {choice!r}")
-    elif choice == "triton" and not moda_triton_available():
-        raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
-    elif choice == "triton" and not moda_triton_runs_on(device):
-        raise ValueError(
-            f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
-        )
-    if backend is None and not torch.compiler.is_compiling():  # a log call would break a compiled graph
-        logger.debug("%s: backend %r on %s", __name__, choice, device)
-    return choice
+    """The MoDA attention backend: ``"reference"``, ``"torch"`` or ``"triton"``, chosen by the one rule of
+    :func:`depthfusion_common.resolve_backend` (the ``backend`` argument, ``$DEPTHFUSION_BACKEND``, the config's
+    ``op_backend``, automatic); a ValueError for an unknown name or a Triton backend that cannot run."""
+    return resolve_op_backend(backend, device, config_backend, kernels_imported=triton_moda_forward is not None,
+                              op=__name__)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:  # float64 for float64, else float32 (exact for every input)

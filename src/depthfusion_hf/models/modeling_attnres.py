@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -34,46 +33,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attnres import attnres_core, resolve_backend
 from .configuration_attnres import AttnResConfig
-
-
-# Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
-def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
-    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
-
-    Args:
-        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
-        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
-        vocab_size: ids must lie in ``[0, vocab_size)``.
-    Raises:
-        ValueError: unless exactly one of the two is given, it has the shape above with at least one
-            token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
-            which holds no values). On CUDA and under ``torch.compile`` an id out of range fails as an op
-            instead: a RuntimeError (on CUDA a device-side assertion, raised at the next sync).
-    """
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
-    if tensor.dim() != rank:
-        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
-        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
-    if tensor.numel() == 0:
-        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
-    if input_ids is None:
-        return
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
-    if input_ids.device.type == "meta":
-        return  # no values to check: the meta device only sizes and plans models
-    out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
-    if input_ids.device.type == "cuda" or torch.compiler.is_compiling():
-        # No host sync per forward (it would stall every training and decoding step, and break a compiled graph):
-        # the check runs as an op and fails (on CUDA: at the next synchronising call) with this message.
-        torch._assert_async(~out_of_range, f"input_ids must lie in [0, vocab_size={vocab_size})")
-    elif bool(out_of_range):
-        raise ValueError(
-            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
-            f"max {int(input_ids.max())}"
-        )
+from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 
 
 class AttnResMix(nn.Module):
@@ -128,7 +88,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attnres_backend: str | None = None,
+        op_backend: str | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, ...]:
         attn_out, _ = self.self_attn(
@@ -141,14 +101,14 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             **kwargs,
         )
         sources = add_to_depth_state(sources, attn_out, self.attn_starts_block)
-        hidden_states, _ = self.mlp_res(sources, attnres_backend)  # differs from Llama: residual + attn_out
+        hidden_states, _ = self.mlp_res(sources, op_backend)  # differs from Llama: residual + attn_out
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
         sources = add_to_depth_state(sources, mlp_out, self.mlp_starts_block)
-        hidden_states, _ = self.output_res(sources, attnres_backend)  # differs from Llama: residual + mlp_out
+        hidden_states, _ = self.output_res(sources, op_backend)  # differs from Llama: residual + mlp_out
         return (hidden_states, *sources)
 
 
-class AttnResPreTrainedModel(LlamaPreTrainedModel):
+class AttnResPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
     """Weight initialisation and the transformers capabilities shared by AttnRes models."""
 
     config: AttnResConfig
@@ -160,11 +120,6 @@ class AttnResPreTrainedModel(LlamaPreTrainedModel):
         "attentions": LlamaAttention,
         "depth_weights": OutputRecorder(AttnResMix, index=1),
     }
-
-    # Copied from depthfusion_hf.models.modeling_denseformer.DenseFormerPreTrainedModel.__init__ with DenseFormer->AttnRes  # noqa: E501
-    def __init__(self, config: AttnResConfig, *inputs, **kwargs):
-        config.check_fields()  # a field changed after construction gets the construction error
-        super().__init__(config, *inputs, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -215,19 +170,10 @@ class AttnResModel(AttnResPreTrainedModel):
     ) -> AttnResModelOutputWithPast:
         """Run the decoder: Llama's arguments (``cache``; ``past_key_values`` is a deprecated alias), and
         ``output_depth_weights``: also return every AttnRes call's softmax weights (``depth_weights``)."""
-        check_token_inputs(input_ids, inputs_embeds, self.config.vocab_size)
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
-        causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                         cache=cache, position_ids=position_ids)
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
-        backend = resolve_backend(None, inputs_embeds.device, self.config.op_backend)  # once per forward
+        inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
+            self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
+        )
+        backend_on = backend_per_device(resolve_backend, self.config.op_backend)
         # Differs from Llama: the depth state starts as (v_0,); sub-layer 1's AttnRes over it is v_0 itself.
         hidden_states, sources = inputs_embeds, (inputs_embeds,)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
@@ -239,7 +185,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
-                attnres_backend=backend,
+                op_backend=backend_on(hidden_states.device),
                 **kwargs,
             )
         return AttnResModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)

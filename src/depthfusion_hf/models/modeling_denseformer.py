@@ -18,8 +18,7 @@ import itertools
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -36,89 +35,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_denseformer import DenseFormerConfig
+from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .dwa import dwa_core, resolve_backend
-
-
-def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
-    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
-
-    Args:
-        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
-        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
-        vocab_size: ids must lie in ``[0, vocab_size)``.
-    Raises:
-        ValueError: unless exactly one of the two is given, it has the shape above with at least one
-            token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
-            which holds no values). On CUDA and under ``torch.compile`` an id out of range fails as an op
-            instead: a RuntimeError (on CUDA a device-side assertion, raised at the next sync).
-    """
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
-    if tensor.dim() != rank:
-        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
-        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
-    if tensor.numel() == 0:
-        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
-    if input_ids is None:
-        return
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
-    if input_ids.device.type == "meta":
-        return  # no values to check: the meta device only sizes and plans models
-    out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
-    if input_ids.device.type == "cuda" or torch.compiler.is_compiling():
-        # No host sync per forward (it would stall every training and decoding step, and break a compiled graph):
-        # the check runs as an op and fails (on CUDA: at the next synchronising call) with this message.
-        torch._assert_async(~out_of_range, f"input_ids must lie in [0, vocab_size={vocab_size})")
-    elif bool(out_of_range):
-        raise ValueError(
-            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
-            f"max {int(input_ids.max())}"
-        )
-
-
-def prepare_decoder_inputs(
-    model: nn.Module,
-    input_ids: torch.LongTensor | None,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.LongTensor | None,
-    cache: Cache | None,
-    inputs_embeds: torch.Tensor | None,
-    use_cache: bool | None,
-) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
-    """The Llama decoder preamble shared by the family models: check and embed the tokens, make the cache,
-    positions, causal mask and rotary embeddings.
-
-    Args:
-        model: the decoder (with ``config``, ``embed_tokens`` and ``rotary_emb``).
-        input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
-        attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
-        position_ids: [B, T]; by default continue from the cache length.
-        cache: a transformers ``Cache``; a ``DynamicCache`` is made when none is given and ``use_cache``.
-    Returns:
-        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, the causal mask for the layers,
-        the rotary (cos, sin), each [B or 1, T, head_dim]).
-    """
-    check_token_inputs(input_ids, inputs_embeds, model.config.vocab_size)
-    if inputs_embeds is None:
-        inputs_embeds = model.embed_tokens(input_ids)  # (B, T, D)
-    if use_cache and cache is None:
-        cache = DynamicCache(config=model.config)
-    if position_ids is None:
-        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-        position_ids = position_ids.unsqueeze(0)
-
-    causal_mask = create_causal_mask(
-        config=model.config,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        cache=cache,
-        position_ids=position_ids,
-    )
-    position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
-    return inputs_embeds, position_ids, cache, causal_mask, position_embeddings
 
 
 def dwa_sources(step: int, dilation: int) -> list[int]:
@@ -182,7 +100,7 @@ class DenseFormerDecoderLayer(LlamaDecoderLayer):
     """A Llama decoder block, unchanged (named for ``_no_split_modules`` and output capture)."""
 
 
-class DenseFormerPreTrainedModel(LlamaPreTrainedModel):
+class DenseFormerPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
     """Llama's weight initialisation and capabilities, plus the identity DWA."""
 
     config: DenseFormerConfig
@@ -193,10 +111,6 @@ class DenseFormerPreTrainedModel(LlamaPreTrainedModel):
         "hidden_states": DenseFormerDecoderLayer,
         "attentions": LlamaAttention,
     }
-
-    def __init__(self, config: DenseFormerConfig, *inputs, **kwargs):
-        config.check_fields()  # a field changed after construction gets the construction error
-        super().__init__(config, *inputs, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -261,7 +175,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         # Differs from Llama: keep the block outputs X_j that later DWA steps read (X_0 = embeddings).
         needed = self.dwa.needed
         block_outputs: dict[int, torch.Tensor] = {0: hidden_states} if 0 in needed else {}
-        backends: dict[torch.device, str] = {}  # resolved once per device and forward, not per DWA step
+        backend_on = backend_per_device(resolve_backend, self.config.op_backend)
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers], start=1):
             hidden_states = decoder_layer(
                 hidden_states,
@@ -280,9 +194,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                 # offloaded) DWA weights.
                 device = hidden_states.device
                 sources = [block_outputs[j].to(device) for j in self.dwa.sources[i]]
-                if device not in backends:
-                    backends[device] = resolve_backend(None, device, self.config.op_backend)
-                hidden_states = self.dwa(sources, i, backend=backends[device])
+                hidden_states = self.dwa(sources, i, backend=backend_on(device))
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
@@ -313,5 +225,4 @@ class DenseFormerForCausalLM(DenseFormerPreTrainedModel, LlamaForCausalLM):
         return self.model.dwa_weights()
 
 
-__all__ = ["DenseFormerForCausalLM", "DenseFormerModel", "DenseFormerPreTrainedModel", "DenseFormerDWA",
-           "check_token_inputs"]
+__all__ = ["DenseFormerForCausalLM", "DenseFormerModel", "DenseFormerPreTrainedModel", "DenseFormerDWA"]

@@ -21,47 +21,8 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from .configuration_dwatt import DWAttConfig
+from .depthfusion_common import CheckedModelMixin, check_token_inputs
 from .fusion_dwatt import FUSION_HEADS, DWAttDepthAttention
-
-
-# Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
-def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
-    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
-
-    Args:
-        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
-        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
-        vocab_size: ids must lie in ``[0, vocab_size)``.
-    Raises:
-        ValueError: unless exactly one of the two is given, it has the shape above with at least one
-            token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
-            which holds no values). On CUDA and under ``torch.compile`` an id out of range fails as an op
-            instead: a RuntimeError (on CUDA a device-side assertion, raised at the next sync).
-    """
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
-    if tensor.dim() != rank:
-        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
-        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
-    if tensor.numel() == 0:
-        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
-    if input_ids is None:
-        return
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
-    if input_ids.device.type == "meta":
-        return  # no values to check: the meta device only sizes and plans models
-    out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
-    if input_ids.device.type == "cuda" or torch.compiler.is_compiling():
-        # No host sync per forward (it would stall every training and decoding step, and break a compiled graph):
-        # the check runs as an op and fails (on CUDA: at the next synchronising call) with this message.
-        torch._assert_async(~out_of_range, f"input_ids must lie in [0, vocab_size={vocab_size})")
-    elif bool(out_of_range):
-        raise ValueError(
-            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
-            f"max {int(input_ids.max())}"
-        )
 
 
 def check_index_range(name: str, ids: torch.Tensor, limit: int, what: str) -> None:
@@ -78,24 +39,39 @@ def check_index_range(name: str, ids: torch.Tensor, limit: int, what: str) -> No
         raise ValueError(f"{name} must lie in [0, {limit}) ({what}); got min {int(ids.min())}, max {int(ids.max())}")
 
 
+# Where encoders keep their learned absolute position table: BERT-style `embeddings.position_embeddings`, GPT-2's `wpe`.
+POSITION_TABLE_NAMES = ("position_embeddings", "wpe")
+
+
+def position_table(backbone: nn.Module) -> tuple[nn.Module | None, nn.Embedding | None]:
+    """``(the module holding it, the table)`` of the encoder's learned absolute positions, or ``(None, None)`` for an
+    encoder without one (relative positions only: no length limit here)."""
+    for holder in (getattr(backbone, "embeddings", None), backbone):
+        for name in POSITION_TABLE_NAMES:
+            table = getattr(holder, name, None)
+            if isinstance(table, nn.Embedding):
+                return holder, table
+    return None, None
+
+
 def check_encoder_inputs(backbone: nn.Module, input_shape: torch.Size, token_type_ids: torch.Tensor | None,
                          position_ids: torch.Tensor | None) -> None:
     """Raise a ValueError naming the limit (not an index error deep inside the backbone) for ``token_type_ids`` /
     ``position_ids`` ([B, T] or None) of another shape than ``input_shape`` (B, T), T above the encoder's position
-    limit, or ids outside its BERT-style ``position_embeddings`` / ``token_type_embeddings`` tables (an encoder
-    without them, e.g. relative positions only, has no limit here)."""
+    limit, or ids outside its position table (:func:`position_table`) or BERT-style ``token_type_embeddings`` (an
+    encoder without them, e.g. relative positions only, has no limit here)."""
     embeddings = getattr(backbone, "embeddings", None)
     for name, ids in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
         if ids is not None and tuple(ids.shape) not in (tuple(input_shape), (1, input_shape[1])):
             raise ValueError(f"{name} must have the inputs' shape {tuple(input_shape)}; got {tuple(ids.shape)}")
-    positions = getattr(embeddings, "position_embeddings", None)
-    if isinstance(positions, nn.Embedding):
+    holder, positions = position_table(backbone)
+    if positions is not None:
         if position_ids is not None:
             check_index_range("position_ids", position_ids, positions.num_embeddings,
                               "the encoder's max_position_embeddings")
         else:
             # RoBERTa-style encoders number positions from padding_idx + 1 (create_position_ids_from_input_ids).
-            offset = embeddings.padding_idx + 1 if hasattr(embeddings, "create_position_ids_from_input_ids") else 0
+            offset = holder.padding_idx + 1 if hasattr(holder, "create_position_ids_from_input_ids") else 0
             limit = positions.num_embeddings - offset
             if input_shape[1] > limit:
                 raise ValueError(
@@ -144,7 +120,7 @@ class DWAttTokenClassifierOutput(TokenClassifierOutput):
     depth_attentions: torch.FloatTensor | None = None
 
 
-class DWAttPreTrainedModel(PreTrainedModel):
+class DWAttPreTrainedModel(CheckedModelMixin, PreTrainedModel):
     """Weight initialisation of the fusion head and classifier; the encoder initialises itself."""
 
     config: DWAttConfig
@@ -195,8 +171,7 @@ class DWAttForTokenClassification(DWAttPreTrainedModel):
     def __init__(self, config: DWAttConfig, backbone: PreTrainedModel | None = None):
         """Build the model; pass ``backbone`` (an ``AutoModel`` matching ``config.backbone_config``) to reuse
         loaded weights, otherwise a randomly initialised one is built from the config."""
-        config.check_fields()
-        super().__init__(config)
+        super().__init__(config)  # checks the config
         self.num_labels = config.num_labels
         self.backbone = backbone if backbone is not None else AutoModel.from_config(config.backbone_config)
         if getattr(self.backbone, "pooler", None) is not None:

@@ -15,8 +15,7 @@ import functools
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -33,92 +32,9 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_mhc import MHCConfig
+from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .mhc_connection import hyper_connection, hyper_connection_weights_reference, hyper_head, resolve_backend
 from .mhc_mix import hyper_mix
-
-
-# Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
-def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
-    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
-
-    Args:
-        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
-        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
-        vocab_size: ids must lie in ``[0, vocab_size)``.
-    Raises:
-        ValueError: unless exactly one of the two is given, it has the shape above with at least one
-            token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
-            which holds no values). On CUDA and under ``torch.compile`` an id out of range fails as an op
-            instead: a RuntimeError (on CUDA a device-side assertion, raised at the next sync).
-    """
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
-    if tensor.dim() != rank:
-        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
-        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
-    if tensor.numel() == 0:
-        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
-    if input_ids is None:
-        return
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
-    if input_ids.device.type == "meta":
-        return  # no values to check: the meta device only sizes and plans models
-    out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
-    if input_ids.device.type == "cuda" or torch.compiler.is_compiling():
-        # No host sync per forward (it would stall every training and decoding step, and break a compiled graph):
-        # the check runs as an op and fails (on CUDA: at the next synchronising call) with this message.
-        torch._assert_async(~out_of_range, f"input_ids must lie in [0, vocab_size={vocab_size})")
-    elif bool(out_of_range):
-        raise ValueError(
-            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
-            f"max {int(input_ids.max())}"
-        )
-
-
-# Copied from depthfusion_hf.models.modeling_denseformer.prepare_decoder_inputs
-def prepare_decoder_inputs(
-    model: nn.Module,
-    input_ids: torch.LongTensor | None,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.LongTensor | None,
-    cache: Cache | None,
-    inputs_embeds: torch.Tensor | None,
-    use_cache: bool | None,
-) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
-    """The Llama decoder preamble shared by the family models: check and embed the tokens, make the cache,
-    positions, causal mask and rotary embeddings.
-
-    Args:
-        model: the decoder (with ``config``, ``embed_tokens`` and ``rotary_emb``).
-        input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
-        attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
-        position_ids: [B, T]; by default continue from the cache length.
-        cache: a transformers ``Cache``; a ``DynamicCache`` is made when none is given and ``use_cache``.
-    Returns:
-        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, the causal mask for the layers,
-        the rotary (cos, sin), each [B or 1, T, head_dim]).
-    """
-    check_token_inputs(input_ids, inputs_embeds, model.config.vocab_size)
-    if inputs_embeds is None:
-        inputs_embeds = model.embed_tokens(input_ids)  # (B, T, D)
-    if use_cache and cache is None:
-        cache = DynamicCache(config=model.config)
-    if position_ids is None:
-        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-        position_ids = position_ids.unsqueeze(0)
-
-    causal_mask = create_causal_mask(
-        config=model.config,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        cache=cache,
-        position_ids=position_ids,
-    )
-    position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
-    return inputs_embeds, position_ids, cache, causal_mask, position_embeddings
 
 
 class MHCHyperConnection(nn.Module):
@@ -200,12 +116,12 @@ class MHCDecoderLayer(LlamaDecoderLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        hc_backend: str | None = None,
+        op_backend: str | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         # Differs from Llama: each sub-layer reads the streams collapsed by `pre` (not the residual) and its output
         # is spread over the streams by `post` and added to the streams mixed by `comb` (not to the residual).
-        post, comb, collapsed = self.attn_hc(hidden_states, hc_backend)
+        post, comb, collapsed = self.attn_hc(hidden_states, op_backend)
         attn_output, _ = self.self_attn(
             hidden_states=self.input_layernorm(collapsed),
             attention_mask=attention_mask,
@@ -215,13 +131,13 @@ class MHCDecoderLayer(LlamaDecoderLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = hyper_mix(hidden_states, attn_output, post, comb, backend=hc_backend)
-        post, comb, collapsed = self.ffn_hc(hidden_states, hc_backend)
+        hidden_states = hyper_mix(hidden_states, attn_output, post, comb, backend=op_backend)
+        post, comb, collapsed = self.ffn_hc(hidden_states, op_backend)
         mlp_output = self.mlp(self.post_attention_layernorm(collapsed))
-        return hyper_mix(hidden_states, mlp_output, post, comb, backend=hc_backend)
+        return hyper_mix(hidden_states, mlp_output, post, comb, backend=op_backend)
 
 
-class MHCPreTrainedModel(LlamaPreTrainedModel):
+class MHCPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
     """Weight initialisation and the transformers capabilities shared by mHC models (Llama's, plus the
     hyper-connections, initialised as transformers' DeepSeek-V4 and kept in float32)."""
 
@@ -234,11 +150,6 @@ class MHCPreTrainedModel(LlamaPreTrainedModel):
         "hidden_states": MHCDecoderLayer,
         "attentions": LlamaAttention,
     }
-
-    # Copied from depthfusion_hf.models.modeling_denseformer.DenseFormerPreTrainedModel.__init__ with DenseFormer->MHC  # noqa: E501
-    def __init__(self, config: MHCConfig, *inputs, **kwargs):
-        config.check_fields()  # a field changed after construction gets the construction error
-        super().__init__(config, *inputs, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -278,12 +189,6 @@ class MHCModel(MHCPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
-
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
@@ -309,13 +214,7 @@ class MHCModel(MHCPreTrainedModel):
         inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
             self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
-        backends: dict[torch.device, str] = {}  # resolved once per forward and device (layers may sit on several)
-
-        def backend_on(device: torch.device) -> str:
-            if device not in backends:
-                backends[device] = resolve_backend(None, device, self.config.op_backend)
-            return backends[device]
-
+        backend_on = backend_per_device(resolve_backend, self.config.op_backend)
         # Differs from Llama: the residual is hc_mult streams, each a copy of the embedding.
         hidden_states = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)  # (B, T, n, D)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
@@ -326,7 +225,7 @@ class MHCModel(MHCPreTrainedModel):
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
-                hc_backend=backend_on(hidden_states.device),
+                op_backend=backend_on(hidden_states.device),
                 **kwargs,
             )
         hidden_states = self.norm(self.hc_head(hidden_states, backend_on(hidden_states.device)))

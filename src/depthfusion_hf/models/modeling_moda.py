@@ -16,7 +16,7 @@ are per token: a cached forward builds them for its own tokens, and the ``Dynami
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -36,93 +36,10 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_moda import MoDAConfig
+from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .moda_attention import moda_attention, resolve_backend
 
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
-
-
-# Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
-def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
-    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
-
-    Args:
-        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
-        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
-        vocab_size: ids must lie in ``[0, vocab_size)``.
-    Raises:
-        ValueError: unless exactly one of the two is given, it has the shape above with at least one
-            token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
-            which holds no values). On CUDA and under ``torch.compile`` an id out of range fails as an op
-            instead: a RuntimeError (on CUDA a device-side assertion, raised at the next sync).
-    """
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
-    if tensor.dim() != rank:
-        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
-        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
-    if tensor.numel() == 0:
-        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
-    if input_ids is None:
-        return
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
-    if input_ids.device.type == "meta":
-        return  # no values to check: the meta device only sizes and plans models
-    out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
-    if input_ids.device.type == "cuda" or torch.compiler.is_compiling():
-        # No host sync per forward (it would stall every training and decoding step, and break a compiled graph):
-        # the check runs as an op and fails (on CUDA: at the next synchronising call) with this message.
-        torch._assert_async(~out_of_range, f"input_ids must lie in [0, vocab_size={vocab_size})")
-    elif bool(out_of_range):
-        raise ValueError(
-            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
-            f"max {int(input_ids.max())}"
-        )
-
-
-# Copied from depthfusion_hf.models.modeling_denseformer.prepare_decoder_inputs
-def prepare_decoder_inputs(
-    model: nn.Module,
-    input_ids: torch.LongTensor | None,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.LongTensor | None,
-    cache: Cache | None,
-    inputs_embeds: torch.Tensor | None,
-    use_cache: bool | None,
-) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
-    """The Llama decoder preamble shared by the family models: check and embed the tokens, make the cache,
-    positions, causal mask and rotary embeddings.
-
-    Args:
-        model: the decoder (with ``config``, ``embed_tokens`` and ``rotary_emb``).
-        input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
-        attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
-        position_ids: [B, T]; by default continue from the cache length.
-        cache: a transformers ``Cache``; a ``DynamicCache`` is made when none is given and ``use_cache``.
-    Returns:
-        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, the causal mask for the layers,
-        the rotary (cos, sin), each [B or 1, T, head_dim]).
-    """
-    check_token_inputs(input_ids, inputs_embeds, model.config.vocab_size)
-    if inputs_embeds is None:
-        inputs_embeds = model.embed_tokens(input_ids)  # (B, T, D)
-    if use_cache and cache is None:
-        cache = DynamicCache(config=model.config)
-    if position_ids is None:
-        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-        position_ids = position_ids.unsqueeze(0)
-
-    causal_mask = create_causal_mask(
-        config=model.config,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        cache=cache,
-        position_ids=position_ids,
-    )
-    position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
-    return inputs_embeds, position_ids, cache, causal_mask, position_embeddings
 
 
 def depth_window(config: MoDAConfig, layer_idx: int) -> tuple[int, int]:
@@ -286,7 +203,7 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         return hidden_states, attn_key, ffn_key, attn_value, ffn_value
 
 
-class MoDAPreTrainedModel(LlamaPreTrainedModel):
+class MoDAPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
     """Weight initialisation and the transformers capabilities shared by MoDA models (Llama's, except that
     depth entries join the softmax: only our own op runs the attention, so no flash / flex attention, and
     ``"eager"`` / ``"sdpa"`` select only the mask format, additive float or bool / None)."""
@@ -299,10 +216,6 @@ class MoDAPreTrainedModel(LlamaPreTrainedModel):
     _supports_attention_backend = False
     _can_compile_fullgraph = True  # one-token StaticCache decoding compiles whole (tested)
     _can_record_outputs = {"hidden_states": MoDADecoderLayer, "attentions": MoDAAttention}
-
-    def __init__(self, config: MoDAConfig, *inputs, **kwargs):
-        config.check_fields()  # a field changed after construction gets the construction error
-        super().__init__(config, *inputs, **kwargs)
 
 
 class MoDAModel(MoDAPreTrainedModel):
@@ -325,12 +238,6 @@ class MoDAModel(MoDAPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
@@ -365,8 +272,8 @@ class MoDAModel(MoDAPreTrainedModel):
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=None,
                                              cache=cache, position_ids=position_ids, allow_is_causal_skip=False)
         kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
-        # Differs from Llama: the op's backend, once per pass, and the depth entries written so far (per token).
-        backend = resolve_backend(None, hidden_states.device, self.config.op_backend)
+        # Differs from Llama: the op's backend (once per pass and device), the depth entries written so far.
+        backend_on = backend_per_device(resolve_backend, self.config.op_backend)
         depth_rope = depth_rotary(*position_embeddings) if self.config.moda_ffn_kv else None
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -375,7 +282,7 @@ class MoDAModel(MoDAPreTrainedModel):
             hidden_states, *written = decoder_layer(
                 hidden_states, *keys[start:stop], *values[start:stop], attention_mask=causal_mask,
                 position_embeddings=position_embeddings, position_ids=position_ids, cache=cache, use_cache=use_cache,
-                op_backend=backend, depth_rope=depth_rope, **kwargs,
+                op_backend=backend_on(hidden_states.device), depth_rope=depth_rope, **kwargs,
             )
             keys += written[: len(written) // 2]
             values += written[len(written) // 2:]

@@ -1,0 +1,421 @@
+"""What every family needs, once: config validators, the decoder input checks and preamble, the op backend choice,
+the optional Triton import and the checked loading of a saved folder.
+
+Every family module imports it with a single-dot import (``from .depthfusion_common import ...``), so
+``save_pretrained`` (transformers' ``custom_object_save``) copies it into each remote-code folder next to the family's
+files: it needs only torch and transformers (Triton is optional), like the rest of a saved folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.configuration_llama import LlamaConfig
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("reference", "torch", "triton")
+OP_BACKENDS = ("auto", *BACKENDS)
+BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
+# Read once, when the kernels are imported: Triton reads TRITON_INTERPRET at import time as well.
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# Rope parameters that scale or count something: a value <= 0 gives NaN or meaningless positions.
+POSITIVE_ROPE_PARAMETERS = ("rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+                            "high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "partial_rotary_factor",
+                            "short_factor", "long_factor")
+# The decoder configs built on DecoderConfigMixin, in definition order: each one's options are refused by the others.
+DECODER_CONFIGS: list[type] = []
+
+
+def check_positive_int(name: str, value, upper: int | None = None, upper_name: str | None = None) -> None:
+    """Raise a ValueError naming ``name`` unless ``1 <= value (<= upper)``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (upper is not None and value > upper):
+        allowed = f"an integer in [1, {upper}] ({upper_name})" if upper is not None else "an integer >= 1"
+        raise ValueError(f"`{name}` must be {allowed}; got {value!r}")
+
+
+def check_real(name: str, value, lower: float | None, upper: float | None = None, closed_lower: bool = False) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a finite real number above ``lower`` (or equal to it
+    when ``closed_lower``) and below ``upper``; a ``None`` bound is not checked."""
+    valid = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if valid and lower is not None:
+        valid = value >= lower if closed_lower else value > lower
+    if valid and upper is not None:
+        valid = value < upper
+    if not valid:
+        bounds = [f"{'>=' if closed_lower else '>'} {lower}"] if lower is not None else []
+        bounds += [f"< {upper}"] if upper is not None else []
+        raise ValueError(f"`{name}` must be a finite number {' and '.join(bounds)}".rstrip() + f"; got {value!r}")
+
+
+def family_options(config_class: type) -> list[str]:
+    """The fields a decoder config adds to Llama's (its options), sorted."""
+    return sorted(f.name for f in dataclasses.fields(config_class) if f.name not in LlamaConfig.__dataclass_fields__)
+
+
+def one_typo_apart(key: str, name: str) -> bool:
+    """True when ``key`` is ``name`` with one letter deleted, inserted, replaced, or two neighbours swapped."""
+    if abs(len(key) - len(name)) > 1 or key == name:
+        return False
+    short, long = sorted((key, name), key=len)
+    first = next((i for i, (a, b) in enumerate(zip(short, long)) if a != b), len(short))
+    if len(short) < len(long):
+        return short[first:] == long[first + 1:]
+    swapped = short[first + 1: first + 2] + short[first: first + 1]
+    return short[first + 1:] == long[first + 1:] or (long[first: first + 2] == swapped
+                                                      and short[first + 2:] == long[first + 2:])
+
+
+def check_unknown_options(config_class: type, extra_keys) -> None:
+    """Raise a ValueError for a key of ``extra_keys`` (config arguments that are no field of ``config_class``) that
+    looks like a depth-fusion option: a near miss of one of the class's options (one typo away, or a difflib ratio
+    >= 0.85), a key starting with its
+    ``option_prefix`` (``hc_iters`` for mHC's ``hc_sinkhorn_iters``), or an option or prefix of another decoder
+    config (each registers itself by subclassing :class:`DecoderConfigMixin`: no list to extend).
+
+    Other unknown keys pass: transformers and users keep their own keys in configs (``auto_map``, ``torch_dtype``,
+    tokenizer ids, notes). The error names the key and the nearest valid field.
+    """
+    options = family_options(config_class)
+    prefix = config_class.option_prefix
+    others = [other for other in DECODER_CONFIGS if not issubclass(config_class, other)]
+    for key in extra_keys:
+        near_option = ([name for name in options if one_typo_apart(key, name)]
+                       or difflib.get_close_matches(key, options, n=1, cutoff=0.85))
+        if not near_option and key.startswith(prefix):  # the option holding its words, else the closest name
+            words = set(key.removeprefix(prefix).split("_"))
+            near_option = [name for name in options if words <= set(name.split("_"))]
+            near_option = near_option or difflib.get_close_matches(key, options, n=1, cutoff=0.0)
+        if near_option:
+            problem = f"a misspelt option? The nearest valid name is `{near_option[0]}`"
+        else:
+            owner = next((other for other in others
+                          if key.startswith(other.option_prefix) or key in family_options(other)), None)
+            if owner is None:
+                continue
+            problem = (f"it looks like an option of another depth-fusion family ({owner.model_type!r}: "
+                       f"{owner.option_prefix!r}...), whose configs say their own model_type")
+        raise ValueError(f"`{key}` is not a field of {config_class.__name__} (model_type "
+                         f"{config_class.model_type!r}): {problem}. This family's options: {options}")
+
+
+def check_llama_shapes(config: LlamaConfig) -> None:
+    """Validate the Llama-style fields shared by our decoders; raise a ValueError naming the field."""
+    check_positive_int("vocab_size", config.vocab_size)
+    check_positive_int("hidden_size", config.hidden_size)
+    check_positive_int("intermediate_size", config.intermediate_size)
+    check_positive_int("num_hidden_layers", config.num_hidden_layers)
+    check_positive_int("num_attention_heads", config.num_attention_heads)
+    if config.head_dim is None and config.hidden_size % config.num_attention_heads != 0:
+        raise ValueError(
+            f"`hidden_size` ({config.hidden_size}) must be divisible by `num_attention_heads` "
+            f"({config.num_attention_heads}), or set `head_dim` explicitly"
+        )
+    if config.num_key_value_heads is not None:
+        check_positive_int("num_key_value_heads", config.num_key_value_heads, config.num_attention_heads,
+                           "at most num_attention_heads")
+        if config.num_attention_heads % config.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({config.num_attention_heads}) must be a multiple of "
+                f"`num_key_value_heads` ({config.num_key_value_heads})"
+            )
+    if config.head_dim is not None and (config.head_dim < 2 or config.head_dim % 2 != 0):
+        raise ValueError(f"`head_dim` must be an even integer >= 2 (RoPE rotates pairs); got {config.head_dim}")
+    check_positive_int("max_position_embeddings", config.max_position_embeddings)
+
+
+def check_llama_values(config: LlamaConfig) -> None:
+    """Validate the inherited Llama fields that are not shapes (norm eps, activation, dropout, special token ids,
+    dtype, RoPE); raise a ValueError naming the field and its allowed values.
+
+    Each of these was accepted before and gave NaN logits (``rms_norm_eps`` NaN or <= 0, ``rope_theta`` <= 0), a
+    bare ``KeyError`` (``hidden_act``), an assertion (a pad id past the vocabulary) or, for a negative id, a
+    silently different padding row. ``rope_parameters`` is checked once set (Llama's ``__post_init__`` folds the
+    legacy ``rope_theta`` / ``rope_scaling`` keys into it).
+    """
+    check_real("rms_norm_eps", config.rms_norm_eps, 0.0)
+    if config.hidden_act not in ACT2FN:
+        raise ValueError(f"`hidden_act` must be one of {sorted(ACT2FN)}; got {config.hidden_act!r}")
+    check_real("attention_dropout", config.attention_dropout, 0.0, 1.0, closed_lower=True)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, name)
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and (isinstance(token, bool) or not isinstance(token, int)
+                                      or not 0 <= token < config.vocab_size):
+                raise ValueError(f"`{name}` must be None or an integer in [0, vocab_size={config.vocab_size})"
+                                 f"{' (or a list of them)' if name == 'eos_token_id' else ''}; got {value!r}")
+    dtype = config.dtype
+    if dtype is not None and str(dtype).removeprefix("torch.") not in FLOAT_DTYPES:
+        raise ValueError(f"`dtype` must be None or one of {FLOAT_DTYPES}; got {dtype!r}")
+    rope = config.rope_parameters
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise ValueError(f"`rope_parameters` must be a dict (rope_type, rope_theta, ...); got {rope!r}")
+    rope_types = ("default", *sorted(ROPE_INIT_FUNCTIONS))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in rope_types:
+        raise ValueError(f"`rope_parameters['rope_type']` must be one of {rope_types}; got {rope_type!r}")
+    for key, value in rope.items():
+        for number in value if isinstance(value, list) else [value]:
+            if not isinstance(number, bool) and isinstance(number, (int, float)):
+                check_real(f"rope_parameters['{key}']", number, 0.0 if key in POSITIVE_ROPE_PARAMETERS else None)
+
+
+def check_op_backend(config: LlamaConfig) -> None:
+    """Validate ``op_backend``: None or one of ``OP_BACKENDS`` (any case); raise a ValueError naming it."""
+    value = config.op_backend
+    if value is not None and (not isinstance(value, str) or value.lower() not in OP_BACKENDS):
+        raise ValueError(f"`op_backend` must be None or one of {OP_BACKENDS}; got {value!r}")
+
+
+class DecoderConfigMixin:
+    """The validation every Llama-style family config shares; put it before ``LlamaConfig`` in the bases.
+
+    A subclass sets ``option_prefix`` (the prefix of its own option names, e.g. ``"hc_"``) and implements
+    ``check_family_fields``; ``check_fields`` runs the Llama checks, ``op_backend``'s and the family's.
+    """
+
+    option_prefix: str
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not isinstance(getattr(cls, "option_prefix", None), str) or not cls.option_prefix:
+            raise TypeError(f"{cls.__name__} must set `option_prefix`, the prefix of its option names")
+        DECODER_CONFIGS.append(cls)
+
+    def __post_init__(self, **kwargs):
+        # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
+        # wrap errors in a non-ValueError exception. It runs before Llama's `__post_init__` (which divides by
+        # `num_attention_heads`) and again after it (which folds a legacy `rope_theta` into `rope_parameters`).
+        check_unknown_options(type(self), kwargs)
+        self.check_fields()
+        super().__post_init__(**kwargs)
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """Raise a ValueError naming an invalid field and its allowed values; also run when a model is built
+        (a field changed after construction, e.g. ``config.hc_mult = 0``, gets the construction error)."""
+        check_llama_shapes(self)
+        check_llama_values(self)
+        check_op_backend(self)
+        self.check_family_fields()
+
+    def check_family_fields(self) -> None:
+        """Validate the family's own options; raise a ValueError naming the field and its allowed values."""
+        raise NotImplementedError
+
+
+def safetensors_problems(folder: Path) -> list[str]:
+    """``"<file>: <error>"`` for every ``*.safetensors`` file of ``folder`` whose header safetensors refuses (a
+    truncated or overwritten file)."""
+    problems = []
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            problems.append(f"{path}: {error}")
+    return problems
+
+
+class CheckedModelMixin:
+    """Put before the transformers base class of a family's PreTrainedModel: the config is checked when a model is
+    built, and a damaged weights file in a loaded folder is named (safetensors' own error does not name it)."""
+
+    def __init__(self, config, *inputs, **kwargs):
+        config.check_fields()  # a field changed after construction gets the construction error
+        super().__init__(config, *inputs, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``; an unreadable ``*.safetensors`` file raises an OSError naming it."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        except SafetensorError as error:
+            folder = Path(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+            problems = safetensors_problems(folder) if folder.is_dir() else []
+            if not problems:
+                raise
+            raise OSError(f"cannot load the weights of {folder}: damaged (truncated or overwritten) safetensors "
+                          f"file(s): {'; '.join(problems)}. Save or download the folder again.") from error
+
+
+def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
+    """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
+
+    Args:
+        input_ids: [B, T] integer token ids, or None when ``inputs_embeds`` is given.
+        inputs_embeds: [B, T, D] embeddings, or None when ``input_ids`` is given.
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+    Raises:
+        ValueError: unless exactly one of the two is given, it has the shape above with at least one
+            token, and (for ids) an integer dtype and every id in range (not checked on the meta device,
+            which holds no values). On CUDA and under ``torch.compile`` an id out of range fails as an op
+            instead: a RuntimeError (on CUDA a device-side assertion, raised at the next sync).
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    name, tensor, rank = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
+    if tensor.dim() != rank:
+        layout = "[batch, tokens]" if rank == 2 else "[batch, tokens, hidden]"
+        raise ValueError(f"{name} must have shape {layout}; got shape {tuple(tensor.shape)}")
+    if tensor.numel() == 0:
+        raise ValueError(f"{name} must have at least one token; got shape {tuple(tensor.shape)}")
+    if input_ids is None:
+        return
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
+    if input_ids.device.type == "meta":
+        return  # no values to check: the meta device only sizes and plans models
+    out_of_range = ((input_ids < 0) | (input_ids >= vocab_size)).any()
+    if input_ids.device.type == "cuda" or torch.compiler.is_compiling():
+        # No host sync per forward (it would stall every training and decoding step, and break a compiled graph):
+        # the check runs as an op and fails (on CUDA: at the next synchronising call) with this message.
+        torch._assert_async(~out_of_range, f"input_ids must lie in [0, vocab_size={vocab_size})")
+    elif bool(out_of_range):
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={vocab_size}); got min {int(input_ids.min())}, "
+            f"max {int(input_ids.max())}"
+        )
+
+
+def prepare_decoder_inputs(
+    model: nn.Module,
+    input_ids: torch.LongTensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor | None,
+    cache: Cache | None,
+    inputs_embeds: torch.Tensor | None,
+    use_cache: bool | None,
+) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    """The Llama decoder preamble shared by the family models: check and embed the tokens, make the cache,
+    positions, causal mask and rotary embeddings.
+
+    Args:
+        model: the decoder (with ``config``, ``embed_tokens`` and ``rotary_emb``).
+        input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
+        attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
+        position_ids: [B, T]; by default continue from the cache length.
+        cache: a transformers ``Cache``; a ``DynamicCache`` is made when none is given and ``use_cache``.
+    Returns:
+        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, the causal mask for the layers,
+        the rotary (cos, sin), each [B or 1, T, head_dim]).
+    """
+    check_token_inputs(input_ids, inputs_embeds, model.config.vocab_size)
+    if inputs_embeds is None:
+        inputs_embeds = model.embed_tokens(input_ids)  # (B, T, D)
+    if use_cache and cache is None:
+        cache = DynamicCache(config=model.config)
+    if position_ids is None:
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        position_ids = position_ids.unsqueeze(0)
+
+    causal_mask = create_causal_mask(
+        config=model.config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        cache=cache,
+        position_ids=position_ids,
+    )
+    position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
+    return inputs_embeds, position_ids, cache, causal_mask, position_embeddings
+
+
+def import_triton() -> tuple[ModuleType | None, ModuleType | None, Exception | None]:
+    """``(triton, triton.language, None)``, or ``(None, None, the import error)`` where Triton does not import."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        return None, None, exc
+    return triton, tl, None
+
+
+def triton_available() -> bool:
+    """True when Triton kernels can run: Triton imports and CUDA is available or ``TRITON_INTERPRET=1``."""
+    return import_triton()[0] is not None and (TRITON_INTERPRET or torch.cuda.is_available())
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """True when the kernels can run on tensors of ``device``: CUDA, or CPU under ``TRITON_INTERPRET=1``."""
+    return triton_available() and (device.type == "cuda" or (TRITON_INTERPRET and device.type == "cpu"))
+
+
+def resolve_backend(backend: str | None, device: torch.device, config_backend: str | None = None, *,
+                    kernels_imported: bool = True, op: str = __name__) -> str:
+    """Pick the implementation of an op: the one place that decides, for every op.
+
+    ========================  =====================================================================
+    precedence                where it comes from
+    ========================  =====================================================================
+    1. ``backend``            the op's ``backend=`` argument
+    2. ``$DEPTHFUSION_BACKEND``  the environment variable (an override for a whole process)
+    3. ``config_backend``     the model config's ``op_backend`` field (a model passes it)
+    4. automatic              Triton for CUDA tensors when the kernel imports, else PyTorch
+    ========================  =====================================================================
+
+    A model calls this once per forward pass and device with ``backend=None`` (:func:`backend_per_device`); that
+    choice is logged at DEBUG (an explicit ``backend`` is not logged: ops called with a resolved backend stay silent).
+
+    Args:
+        backend: ``"reference"``, ``"torch"``, ``"triton"``, ``"auto"`` (any case) or None.
+        device: the device of the op's tensors.
+        config_backend: the config's ``op_backend`` (same values), used when neither ``backend`` nor the
+            environment variable is set.
+        kernels_imported: False when the op's kernel module failed to import (its Triton backend runs nowhere).
+        op: the op's module name, for the log.
+    Returns:
+        ``"reference"``, ``"torch"`` or ``"triton"``.
+    Raises:
+        ValueError: for an unknown name, or ``"triton"`` where the kernel cannot run (no Triton, or
+            tensors on a device other than CUDA without ``TRITON_INTERPRET=1``).
+    """
+    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR) or config_backend or "auto"
+    if not isinstance(choice, str):
+        raise ValueError(f"backend must be one of {OP_BACKENDS} or None; got {choice!r}")
+    choice = choice.lower()
+    available = kernels_imported and triton_available()
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" and available else "torch"
+    elif choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {OP_BACKENDS}, got {choice!r}")
+    elif choice == "triton" and not available:
+        raise ValueError("backend='triton' was requested but Triton (or its kernel module) is not available")
+    elif choice == "triton" and not triton_runs_on(device):
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); got device {device}"
+        )
+    if backend is None and not torch.compiler.is_compiling():  # a log call would break a compiled graph
+        logger.debug("%s: backend %r on %s", op, choice, device)
+    return choice
+
+
+def backend_per_device(resolve: Callable[..., str], config_backend: str | None) -> Callable[[torch.device], str]:
+    """The rule every model follows: its op's backend (``resolve(None, device, config_backend)``) chosen once per
+    forward pass and device (with ``device_map`` the layers may sit on several devices, and the choice depends on
+    the device). Returns ``backend_on(device) -> str``; make one at the start of each forward."""
+    chosen: dict[torch.device, str] = {}
+
+    def backend_on(device: torch.device) -> str:
+        if device not in chosen:
+            chosen[device] = resolve(None, device, config_backend)
+        return chosen[device]
+
+    return backend_on
