@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import depthfusion_hf.ops
-from depthfusion_hf.models import attnres
-from depthfusion_hf.models.attnres import attention_residual, attnres_reference, resolve_backend
+from depthfusion_hf.models import attnres, depthfusion_common
+from depthfusion_hf.models.attnres import attention_residual, attnres_reference
 from tests.attnres._op_cases import (
     K_FP32,
     SHAPES,
@@ -299,34 +299,6 @@ def test_eps_is_used(backend):
 # ---------------------------------------------------------------- dispatch
 
 
-def test_resolve_backend(monkeypatch):
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("DEPTHFUSION_BACKEND", raising=False)
-    assert resolve_backend(None, cpu) == "torch"
-    assert resolve_backend("auto", cpu) == "torch"
-    assert resolve_backend("Reference", cpu) == "reference"
-    monkeypatch.setenv("DEPTHFUSION_BACKEND", "reference")
-    assert resolve_backend(None, cpu) == "reference"
-    assert resolve_backend("torch", cpu) == "torch"
-    with pytest.raises(ValueError, match="backend must be one of"):
-        resolve_backend("cuda", cpu)
-    with pytest.raises(ValueError, match="backend must be one of"):
-        resolve_backend(3, cpu)
-    if not attnres.attnres_triton_available():
-        with pytest.raises(ValueError, match="backend='triton' was requested but Triton"):
-            resolve_backend("triton", cpu)
-
-
-def test_env_backend_is_used(monkeypatch):
-    """$DEPTHFUSION_BACKEND picks the implementation when no argument is given."""
-    calls = []
-    monkeypatch.setattr(attnres, "attnres_reference", lambda *a: calls.append(1) or attnres_reference(*a))
-    monkeypatch.setenv("DEPTHFUSION_BACKEND", "reference")
-    query, sources, weight = make_inputs((1, 2, 4, 2), torch.float32)
-    attention_residual(query, sources, weight)
-    assert calls == [1]
-
-
 @pytest.mark.parametrize("where", ["sources", "query"])
 def test_float64_work_is_routed_away_from_triton(monkeypatch, where):
     """The dispatcher sends float64 work asked of Triton to the torch path (the kernel computes in fp32)."""
@@ -334,8 +306,8 @@ def test_float64_work_is_routed_away_from_triton(monkeypatch, where):
     def kernel(*args):
         raise AssertionError("the Triton kernel must not receive float64 work")
 
-    monkeypatch.setattr(attnres, "attnres_triton_available", lambda: True)
-    monkeypatch.setattr(attnres, "attnres_triton_runs_on", lambda device: True)
+    monkeypatch.setattr(depthfusion_common, "triton_available", lambda: True)
+    monkeypatch.setattr(depthfusion_common, "triton_runs_on", lambda device: True)
     monkeypatch.setattr(attnres, "triton_attention_residual", kernel)
     monkeypatch.setattr(attnres, "TRITON_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
     dtype = torch.float64 if where == "sources" else torch.float32

@@ -8,7 +8,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from depthfusion_hf.models.configuration_attnres import AttnResConfig
-from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM, AttnResModel, check_token_inputs
+from depthfusion_hf.models.depthfusion_common import check_token_inputs
+from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM, AttnResModel
 from tests.causal_lm_checks import assert_a_few_adamw_steps_lower_the_loss
 
 from .helpers import naive_attnres_forward, randomise_attnres, tiny_config, tiny_llama_config
@@ -253,19 +254,6 @@ def test_inputs_embeds_equal_input_ids():
     ids = torch.randint(3, 97, (2, 6))
     with torch.no_grad():
         assert torch.equal(model(inputs_embeds=model.model.embed_tokens(ids)).logits, model(ids).logits)
-
-
-def test_model_follows_the_backend_environment_variable(monkeypatch):
-    model = AttnResForCausalLM(tiny_config(attnres_block_size=3)).eval()
-    randomise_attnres(model)
-    ids = torch.randint(3, 97, (2, 9))
-    with torch.no_grad():
-        fast = model(ids).logits
-        monkeypatch.setenv("DEPTHFUSION_BACKEND", "reference")
-        torch.testing.assert_close(model(ids).logits, fast, rtol=1e-5, atol=1e-5)
-        monkeypatch.setenv("DEPTHFUSION_BACKEND", "gpu-please")
-        with pytest.raises(ValueError, match="backend must be one of"):
-            model(ids)
 
 
 def test_depth_attention_weights_average_real_tokens_only():

@@ -11,11 +11,11 @@ import torch
 if not torch.cuda.is_available():  # also when named on the command line (conftest's collect_ignore is not then)
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from depthfusion_hf.models.modeling_denseformer import check_token_inputs  # noqa: E402
+from depthfusion_hf.models.depthfusion_common import check_token_inputs  # noqa: E402
 
 BAD_IDS_SCRIPT = """
 import torch
-from depthfusion_hf.models.modeling_denseformer import check_token_inputs
+from depthfusion_hf.models.depthfusion_common import check_token_inputs
 check_token_inputs(torch.tensor([[3, 97]], device="cuda"), None, 97)
 torch.cuda.synchronize()
 """

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from depthfusion_hf import DenseFormerForCausalLM, DenseFormerModel
-from depthfusion_hf.models.modeling_denseformer import check_token_inputs
+from depthfusion_hf.models.depthfusion_common import check_token_inputs
 
 from .helpers import tiny_config
 

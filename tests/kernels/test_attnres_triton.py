@@ -18,7 +18,7 @@ if not kernels_run_in_process():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (run through test_attnres_triton_interpreted.py)",
                 allow_module_level=True)
 
-from depthfusion_hf.models import attnres, attnres_triton  # noqa: E402
+from depthfusion_hf.models import attnres, attnres_triton, depthfusion_common  # noqa: E402
 from depthfusion_hf.models.attnres import attention_residual  # noqa: E402
 from tests.attnres._op_cases import (  # noqa: E402
     K_FP32,
@@ -37,7 +37,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_triton_is_available_and_auto_dispatch():
-    assert attnres_triton.attnres_triton_available()
+    assert depthfusion_common.triton_available()
     assert attnres.triton_attention_residual is attnres_triton.triton_attention_residual
     expected = "triton" if DEVICE == "cuda" else "torch"  # auto uses Triton for CUDA tensors only
     assert attnres.resolve_backend(None, torch.device(DEVICE)) == expected

@@ -26,14 +26,14 @@ from tests.kernels.interpret import kernels_run_in_process
 if not kernels_run_in_process():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (run through test_dwa_interpreted.py)", allow_module_level=True)
 
-from depthfusion_hf.models import dwa, dwa_triton  # noqa: E402
+from depthfusion_hf.models import depthfusion_common, dwa, dwa_triton  # noqa: E402
 from depthfusion_hf.models.dwa import depth_weighted_average  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_triton_is_available_and_auto_dispatch():
-    assert dwa_triton.dwa_triton_forward_backward_available()
+    assert depthfusion_common.triton_available()
     assert dwa.triton_depth_weighted_average is dwa_triton.triton_depth_weighted_average
     expected = "triton" if DEVICE == "cuda" else "torch"  # auto uses Triton for CUDA tensors only
     assert dwa.resolve_backend(None, torch.device(DEVICE)) == expected

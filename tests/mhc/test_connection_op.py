@@ -4,7 +4,6 @@ backend equals the reference (values and every gradient, every order), dtypes, a
 import pytest
 import torch
 
-from depthfusion_hf.models import mhc_connection as hc_module
 from depthfusion_hf.models.mhc_connection import (
     hyper_connection,
     hyper_connection_reference,
@@ -13,7 +12,6 @@ from depthfusion_hf.models.mhc_connection import (
     hyper_head,
     hyper_head_reference,
     hyper_head_torch,
-    resolve_backend,
 )
 
 from .helpers import EPS, float_keeps_float64, max_rel, op_inputs, transformers_modules
@@ -221,34 +219,6 @@ def test_inference_mode_gives_the_autograd_path_numbers(dtype):
         got = hyper_connection(streams, fn, base, scale, sinkhorn_iters=20, eps=1e-6, norm_eps=NORM_EPS)
     for g, w in zip(got, want):  # the same operations without autograd: the same numbers
         assert torch.equal(g, w.detach())
-
-
-def test_backend_precedence_argument_environment_config(monkeypatch, caplog):
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("DEPTHFUSION_BACKEND", raising=False)
-    assert resolve_backend(None, cpu) == "torch"
-    assert resolve_backend(None, cpu, "reference") == "reference"
-    monkeypatch.setenv("DEPTHFUSION_BACKEND", "torch")
-    assert resolve_backend(None, cpu, "reference") == "torch"
-    assert resolve_backend("Reference", cpu, "torch") == "reference"
-    with caplog.at_level("DEBUG", logger=hc_module.__name__):
-        resolve_backend(None, cpu)
-    assert "backend 'torch' on cpu" in caplog.text
-    with pytest.raises(ValueError, match="backend must be one of"):
-        resolve_backend("cuda", cpu)
-    if not hc_module.mhc_triton_runs_on(cpu):
-        with pytest.raises(ValueError, match="backend='triton'"):
-            resolve_backend("triton", cpu)
-
-
-def test_the_op_calls_the_chosen_implementation(monkeypatch):
-    calls = []
-    monkeypatch.setattr(hc_module, "hyper_connection_reference", lambda *a: calls.append("reference") or (0, 0, 0))
-    monkeypatch.setattr(hc_module, "hyper_connection_torch", lambda *a: calls.append("torch") or (0, 0, 0))
-    streams, fn, base, scale = op_inputs(1, 1, 2, 3)
-    for backend in ("reference", "torch", None):
-        hyper_connection(streams, fn, base, scale, sinkhorn_iters=2, eps=1e-6, norm_eps=1e-6, backend=backend)
-    assert calls == ["reference", "torch", "torch"]
 
 
 BAD = [

@@ -9,7 +9,7 @@ CPU run executes this module in an interpreted child: ``test_mhc_triton_interpre
 import pytest
 import torch
 
-from depthfusion_hf.models import mhc_connection, mhc_mix, mhc_triton
+from depthfusion_hf.models import depthfusion_common, mhc_connection, mhc_mix, mhc_triton
 from depthfusion_hf.models.mhc_connection import hyper_connection, hyper_connection_reference, hyper_head
 from depthfusion_hf.models.mhc_mix import hyper_mix, hyper_mix_reference
 from depthfusion_hf.models.modeling_mhc import MHCForCausalLM
@@ -50,7 +50,7 @@ def output_weights(outputs, seed=1):
 
 
 def test_triton_is_available_and_auto_dispatch():
-    assert mhc_triton.mhc_triton_available()
+    assert depthfusion_common.triton_available()
     assert mhc_connection.triton_hyper_connection is mhc_triton.triton_hyper_connection
     assert mhc_mix.triton_hyper_mix is mhc_triton.triton_hyper_mix
     assert mhc_connection.resolve_backend(None, torch.device(DEVICE)) == ("triton" if DEVICE == "cuda" else "torch")

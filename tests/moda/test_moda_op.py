@@ -2,13 +2,12 @@
 gradients (first and second order), the depth entries as a tensor or as a sequence, masks, the scale, degenerate
 shapes, the one compute dtype, the returned weights, and the errors the op raises."""
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from depthfusion_hf.models.moda_attention import moda_attention_weights, resolve_backend
+from depthfusion_hf.models.moda_attention import moda_attention_weights
 from depthfusion_hf.ops import moda_attention
 from tests.moda.op_checks import assert_matches_reference
 
@@ -289,15 +288,3 @@ def test_non_float_dtypes_raise(dtype, backend):
         moda_attention(*inputs, backend=backend)
 
 
-def test_backend_dispatch(monkeypatch):
-    monkeypatch.delenv("DEPTHFUSION_BACKEND", raising=False)
-    assert resolve_backend(None, torch.device("cpu")) == "torch"
-    assert resolve_backend(None, torch.device("cpu"), "reference") == "reference"
-    monkeypatch.setenv("DEPTHFUSION_BACKEND", "reference")
-    assert resolve_backend(None, torch.device("cpu"), "torch") == "reference"
-    assert resolve_backend("torch", torch.device("cpu")) == "torch"
-    with pytest.raises(ValueError, match="backend must be one of"):
-        moda_attention(*[x.detach() for x in _inputs()], backend="cuda-magic")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(ValueError, match="backend='triton' was requested but Triton"):
-            moda_attention(*[x.detach() for x in _inputs()], backend="triton")
