@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import BertConfig, BertTokenizerFast, DebertaV2Config, PreTrainedConfig, RobertaConfig
+from transformers import BertConfig, BertTokenizerFast, DebertaV2Config, GPT2Config, PreTrainedConfig, RobertaConfig
 
 from depthfusion_hf import DWAttConfig, DWAttForTokenClassification
 
@@ -16,7 +16,8 @@ VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "john", "smith", "lives",
 
 
 def tiny_backbone_config(kind: str = "bert", layers: int = 2) -> PreTrainedConfig:
-    """A random encoder config, 32 wide, with ``layers`` layers: ``bert``, ``roberta`` or ``deberta-v2``."""
+    """A random encoder config, 32 wide, with ``layers`` layers: ``bert``, ``roberta``, ``deberta-v2`` or ``gpt2``
+    (64 positions; GPT-2 keeps its position table in ``wpe``, not ``embeddings.position_embeddings``)."""
     common = dict(vocab_size=len(VOCAB) + 10, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                   intermediate_size=37, max_position_embeddings=64)
     if kind == "bert":
@@ -25,6 +26,9 @@ def tiny_backbone_config(kind: str = "bert", layers: int = 2) -> PreTrainedConfi
         return RobertaConfig(**common, pad_token_id=1, bos_token_id=0, eos_token_id=2)
     if kind == "deberta-v2":
         return DebertaV2Config(**common, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"])
+    if kind == "gpt2":
+        return GPT2Config(vocab_size=common["vocab_size"], n_embd=32, n_layer=layers, n_head=4, n_positions=64,
+                          bos_token_id=0, eos_token_id=0)
     raise ValueError(kind)
 
 

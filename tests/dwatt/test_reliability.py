@@ -136,6 +136,12 @@ BAD_ENCODER_INPUTS = [
                  r"63 tokens, more than the encoder takes: at most 62 \(max_position_embeddings = 64, positions "
                  r"starting at padding_idx \+ 1 = 2\)", id="roberta-too-long"),
     pytest.param("bert", {"inputs_embeds": torch.zeros(1, 65, 32)}, "at most 64", id="bert-embeds-too-long"),
+    # Before: a bare IndexError (a device-side assert on CUDA): the check knew only `embeddings.position_embeddings`.
+    pytest.param("gpt2", {"input_ids": torch.randint(5, 20, (1, 65))},
+                 r"65 tokens, more than the encoder takes: at most 64 \(max_position_embeddings = 64\)",
+                 id="gpt2-too-long"),
+    pytest.param("gpt2", {"input_ids": torch.tensor([[5, 6]]), "position_ids": torch.tensor([[0, 64]])},
+                 r"position_ids must lie in \[0, 64\)", id="gpt2-position-out-of-range"),
     pytest.param("bert", {"input_ids": torch.tensor([[5, 6]]), "token_type_ids": torch.tensor([[0, 2]])},
                  r"token_type_ids must lie in \[0, 2\) \(the encoder's type_vocab_size\); got min 0, max 2",
                  id="token-type-out-of-range"),
@@ -165,7 +171,7 @@ def test_inputs_the_encoder_cannot_take_raise_value_errors_naming_the_limit(kind
         model(**inputs)
 
 
-@pytest.mark.parametrize(("kind", "length"), [("bert", 64), ("roberta", 62), ("deberta-v2", 64)])
+@pytest.mark.parametrize(("kind", "length"), [("bert", 64), ("roberta", 62), ("deberta-v2", 64), ("gpt2", 64)])
 def test_inputs_at_the_position_limit_run(kind, length):
     model = tiny_model("dwatt", kind=kind)
     labels = torch.full((1, length), -100)
