@@ -34,6 +34,8 @@ BACKEND_ENV_VAR = "DEPTHFUSION_BACKEND"
 # Read once, when the kernels are imported: Triton reads TRITON_INTERPRET at import time as well.
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# The tensor dtypes every op path computes correctly; others are rejected, not rounded.
+OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Rope parameters that scale or count something: a value <= 0 gives NaN or meaningless positions.
 POSITIVE_ROPE_PARAMETERS = ("rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
                             "high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "partial_rotary_factor",

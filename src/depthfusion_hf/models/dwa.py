@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .depthfusion_common import BACKEND_ENV_VAR, BACKENDS  # noqa: F401 - part of the op's API
+from .depthfusion_common import BACKEND_ENV_VAR, BACKENDS, OP_DTYPES  # noqa: F401 - the first two: the op's API
 from .depthfusion_common import resolve_backend as resolve_op_backend
 
 try:  # Triton is optional: the model loads and runs without it.
@@ -40,8 +40,6 @@ except Exception:  # pragma: no cover - depends on the environment
     triton_depth_weighted_average = None
 
 
-# The dtypes every path computes correctly (states and weights); others are rejected, not rounded.
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def resolve_backend(backend: str | None, device: torch.device, config_backend: str | None = None) -> str:
@@ -74,16 +72,16 @@ def _check_inputs(sources: list[torch.Tensor], weights: torch.Tensor) -> None:
                 f"all states must share shape and device; states[0] is {tuple(shape)} on {device}, "
                 f"states[{n}] is {tuple(x.shape)} on {x.device}"
             )
-        if x.dtype not in DTYPES:
-            raise ValueError(f"states must have a floating-point dtype in {DTYPES}; states[{n}] is {x.dtype}")
+        if x.dtype not in OP_DTYPES:
+            raise ValueError(f"states must have a floating-point dtype in {OP_DTYPES}; states[{n}] is {x.dtype}")
     if not isinstance(weights, torch.Tensor):
         raise ValueError(f"weights must be a tensor of shape [N]; got {type(weights)}")
     if weights.dim() != 1 or weights.shape[0] != len(sources):
         raise ValueError(
             f"weights must have shape [N] with N = number of states ({len(sources)}); got {tuple(weights.shape)}"
         )
-    if weights.dtype not in DTYPES:
-        raise ValueError(f"weights must be a floating-point tensor with a dtype in {DTYPES}; got {weights.dtype}")
+    if weights.dtype not in OP_DTYPES:
+        raise ValueError(f"weights must be a floating-point tensor with a dtype in {OP_DTYPES}; got {weights.dtype}")
     if weights.device != device:
         raise ValueError(f"weights must be on the states' device {device}; got {weights.device}")
 

@@ -383,12 +383,18 @@ def hyper_connection(
             run on the streams' device.
     """
     check_hyper_connection_inputs(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, head=False)
-    choice = resolve_backend(backend, streams.device)
+    return hyper_connection_core(resolve_backend(backend, streams.device), streams, fn, base, scale, sinkhorn_iters,
+                                 eps, norm_eps)
+
+
+def hyper_connection_core(backend: str, streams, fn, base, scale, sinkhorn_iters: int, eps: float, norm_eps: float):
+    """:func:`hyper_connection` on a resolved ``backend`` without the input check: for a model, which resolves the
+    backend once per forward and passes its own (valid) tensors. Same shapes and results."""
     eps, norm_eps = float(eps), float(norm_eps)
     with autocast_off(streams.device.type):
-        if choice == "triton" and triton_computes(streams, weight_dtype(streams, fn, base, scale), streams.dtype):
+        if backend == "triton" and triton_computes(streams, weight_dtype(streams, fn, base, scale), streams.dtype):
             return triton_hyper_connection(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, head=False)
-        if choice == "reference":
+        if backend == "reference":
             return hyper_connection_reference(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
         return hyper_connection_torch(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
 
@@ -416,22 +422,28 @@ def hyper_head(
         ValueError: as :func:`hyper_connection`.
     """
     check_hyper_connection_inputs(streams, fn, base, scale, 1, eps, norm_eps, head=True)
-    choice = resolve_backend(backend, streams.device)
+    return hyper_head_core(resolve_backend(backend, streams.device), streams, fn, base, scale, eps, norm_eps)
+
+
+def hyper_head_core(backend: str, streams, fn, base, scale, eps: float, norm_eps: float) -> torch.Tensor:
+    """:func:`hyper_head` on a resolved ``backend`` without the input check (as :func:`hyper_connection_core`)."""
     eps, norm_eps = float(eps), float(norm_eps)
     with autocast_off(streams.device.type):
-        if choice == "triton" and triton_computes(streams, weight_dtype(streams, fn, base, scale), streams.dtype):
+        if backend == "triton" and triton_computes(streams, weight_dtype(streams, fn, base, scale), streams.dtype):
             return triton_hyper_connection(streams, fn, base, scale, 1, eps, norm_eps, head=True)
-        if choice == "reference":
+        if backend == "reference":
             return hyper_head_reference(streams, fn, base, scale, eps, norm_eps)
         return hyper_head_torch(streams, fn, base, scale, eps, norm_eps)
 
 
 __all__ = [
     "hyper_connection",
+    "hyper_connection_core",
     "hyper_connection_reference",
     "hyper_connection_torch",
     "hyper_connection_weights_reference",
     "hyper_head",
+    "hyper_head_core",
     "hyper_head_reference",
     "hyper_head_torch",
     "resolve_backend",

@@ -1,6 +1,6 @@
 """Input checks and the dtype rule shared by the mHC ops (``mhc_connection.py``, ``mhc_mix.py``).
 
-Self-contained (``torch`` only): ``save_pretrained`` copies it next to the model code.
+``save_pretrained`` copies it next to the model code (torch and same-folder imports only).
 """
 
 import contextlib
@@ -8,8 +8,7 @@ import math
 
 import torch
 
-# The dtypes every path computes correctly; others are rejected, not rounded.
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from .depthfusion_common import OP_DTYPES
 
 
 def weight_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -34,8 +33,8 @@ def check_tensor(name: str, value, shape: tuple[int, ...] | None, device: torch.
     ``device`` (None: any device)."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a tensor {layout}; got {type(value).__name__}")
-    if value.dtype not in DTYPES:
-        raise ValueError(f"{name} must have a floating-point dtype in {DTYPES}; got {value.dtype}")
+    if value.dtype not in OP_DTYPES:
+        raise ValueError(f"{name} must have a floating-point dtype in {OP_DTYPES}; got {value.dtype}")
     if shape is not None and tuple(value.shape) != shape:
         raise ValueError(f"{name} must have shape {layout} = {shape}; got {tuple(value.shape)}")
     if device is not None and value.device != device:

@@ -127,14 +127,20 @@ def hyper_mix(
             unknown or cannot run on the streams' device.
     """
     check_hyper_mix_inputs(streams, output, post, comb)
-    choice = resolve_backend(backend, streams.device)
+    return hyper_mix_core(resolve_backend(backend, streams.device), streams, output, post, comb)
+
+
+def hyper_mix_core(backend: str, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor,
+                   comb: torch.Tensor) -> torch.Tensor:
+    """:func:`hyper_mix` on a resolved ``backend`` without the input check: for a model, which resolves the backend
+    once per forward and passes its own (valid) tensors. Same shapes and results."""
     dtype = torch.promote_types(streams.dtype, output.dtype)
     with autocast_off(streams.device.type):
-        if choice == "triton" and triton_computes(streams, weight_dtype(streams, output, post, comb), dtype):
+        if backend == "triton" and triton_computes(streams, weight_dtype(streams, output, post, comb), dtype):
             return triton_hyper_mix(streams, output, post, comb, dtype)
-        if choice == "reference":
+        if backend == "reference":
             return hyper_mix_reference(streams, output, post, comb, dtype)
         return hyper_mix_torch(streams, output, post, comb, dtype)
 
 
-__all__ = ["hyper_mix", "hyper_mix_reference", "hyper_mix_torch"]
+__all__ = ["hyper_mix", "hyper_mix_core", "hyper_mix_reference", "hyper_mix_torch"]

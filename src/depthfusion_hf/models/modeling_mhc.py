@@ -33,8 +33,13 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_mhc import MHCConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
-from .mhc_connection import hyper_connection, hyper_connection_weights_reference, hyper_head, resolve_backend
-from .mhc_mix import hyper_mix
+from .mhc_connection import (
+    hyper_connection_core,
+    hyper_connection_weights_reference,
+    hyper_head_core,
+    resolve_backend,
+)
+from .mhc_mix import hyper_mix_core
 
 
 class MHCHyperConnection(nn.Module):
@@ -58,9 +63,12 @@ class MHCHyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor, backend: str | None = None):
-        """streams [B, T, n, D] -> ``(post [B, T, n], comb [B, T, n, n], collapsed [B, T, D])``."""
-        return hyper_connection(streams, self.fn, self.base, self.scale, sinkhorn_iters=self.sinkhorn_iters,
-                                eps=self.eps, norm_eps=self.norm_eps, backend=backend)
+        """streams [B, T, n, D] -> ``(post [B, T, n], comb [B, T, n, n], collapsed [B, T, D])``; ``backend``: the one
+        the model resolved for this forward (None: resolved here). The streams are the model's own, so the op's
+        input check is skipped (:func:`hyper_connection_core`)."""
+        backend = backend or resolve_backend(None, streams.device)
+        return hyper_connection_core(backend, streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.eps,
+                                     self.norm_eps)
 
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(pre, post, comb)`` for streams [B, T, n, D] (the reference formulas; for analysis)."""
@@ -86,9 +94,9 @@ class MHCHyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor, backend: str | None = None) -> torch.Tensor:
-        """streams [B, T, n, D] -> [B, T, D]."""
-        return hyper_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.eps, norm_eps=self.norm_eps,
-                          backend=backend)
+        """streams [B, T, n, D] -> [B, T, D] (``backend`` as :meth:`MHCHyperConnection.forward`)."""
+        backend = backend or resolve_backend(None, streams.device)
+        return hyper_head_core(backend, streams, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.norm_eps)
 
     def weights(self, streams: torch.Tensor) -> torch.Tensor:
         """``pre`` [B, T, n] of the head for streams [B, T, n, D] (the reference formula; for analysis)."""
@@ -121,6 +129,7 @@ class MHCDecoderLayer(LlamaDecoderLayer):
     ) -> torch.Tensor:
         # Differs from Llama: each sub-layer reads the streams collapsed by `pre` (not the residual) and its output
         # is spread over the streams by `post` and added to the streams mixed by `comb` (not to the residual).
+        op_backend = op_backend or resolve_backend(None, hidden_states.device)  # the model passes the one it resolved
         post, comb, collapsed = self.attn_hc(hidden_states, op_backend)
         attn_output, _ = self.self_attn(
             hidden_states=self.input_layernorm(collapsed),
@@ -131,10 +140,10 @@ class MHCDecoderLayer(LlamaDecoderLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = hyper_mix(hidden_states, attn_output, post, comb, backend=op_backend)
+        hidden_states = hyper_mix_core(op_backend, hidden_states, attn_output, post, comb)
         post, comb, collapsed = self.ffn_hc(hidden_states, op_backend)
         mlp_output = self.mlp(self.post_attention_layernorm(collapsed))
-        return hyper_mix(hidden_states, mlp_output, post, comb, backend=op_backend)
+        return hyper_mix_core(op_backend, hidden_states, mlp_output, post, comb)
 
 
 class MHCPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
