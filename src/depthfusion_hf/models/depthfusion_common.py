@@ -350,9 +350,12 @@ def import_triton() -> tuple[ModuleType | None, ModuleType | None, Exception | N
     return triton, tl, None
 
 
+TRITON_IMPORTS = import_triton()[0] is not None  # once: no import statement in a traced (compiled) forward
+
+
 def triton_available() -> bool:
     """True when Triton kernels can run: Triton imports and CUDA is available or ``TRITON_INTERPRET=1``."""
-    return import_triton()[0] is not None and (TRITON_INTERPRET or torch.cuda.is_available())
+    return TRITON_IMPORTS and (TRITON_INTERPRET or torch.cuda.is_available())
 
 
 def triton_runs_on(device: torch.device) -> bool:
