@@ -28,12 +28,12 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attnres import attnres_core, resolve_backend
 from .configuration_attnres import AttnResConfig
+from .transformers_compat import accepts_cache, cache_kwarg
 
 
 # Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
@@ -118,7 +118,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         self.mlp_res = AttnResMix(config.hidden_size, config.rms_norm_eps)
         self.output_res = AttnResMix(config.hidden_size, config.rms_norm_eps)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -135,7 +135,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
+            **cache_kwarg(cache),
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -199,7 +199,7 @@ class AttnResModel(AttnResPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -225,7 +225,7 @@ class AttnResModel(AttnResPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                         cache=cache, position_ids=position_ids)
+                                         **cache_kwarg(cache), position_ids=position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         backend = resolve_backend(None, inputs_embeds.device, self.config.op_backend)  # once per forward
         # Differs from Llama: the depth state starts as (v_0,); sub-layer 1's AttnRes over it is v_0 itself.
@@ -237,12 +237,12 @@ class AttnResModel(AttnResPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                cache=cache,
+                **cache_kwarg(cache),
                 use_cache=use_cache,
                 attnres_backend=backend,
                 **kwargs,
             )
-        return AttnResModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+        return AttnResModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **cache_kwarg(cache))
 
     @torch.no_grad()
     def depth_attention_weights(

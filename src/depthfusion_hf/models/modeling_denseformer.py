@@ -31,12 +31,12 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_denseformer import DenseFormerConfig
 from .dwa import dwa_core, resolve_backend
+from .transformers_compat import accepts_cache, cache_kwarg
 
 
 def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
@@ -114,7 +114,7 @@ def prepare_decoder_inputs(
         config=model.config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
-        cache=cache,
+        **cache_kwarg(cache),
         position_ids=position_ids,
     )
     position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
@@ -232,7 +232,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         """The learned DWA weights as a dense [d, d + 1] matrix (0 where not connected)."""
         return self.dwa.weight_matrix()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -268,7 +268,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                cache=cache,
+                **cache_kwarg(cache),
                 use_cache=use_cache,
                 **kwargs,
             )
@@ -284,7 +284,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                     backends[device] = resolve_backend(None, device, self.config.op_backend)
                 hidden_states = self.dwa(sources, i, backend=backends[device])
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwarg(cache))
 
 
 class DenseFormerForCausalLM(DenseFormerPreTrainedModel, LlamaForCausalLM):

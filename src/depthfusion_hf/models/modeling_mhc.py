@@ -28,13 +28,13 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_mhc import MHCConfig
 from .mhc_connection import hyper_connection, hyper_connection_weights_reference, hyper_head, resolve_backend
 from .mhc_mix import hyper_mix
+from .transformers_compat import accepts_cache, cache_kwarg
 
 
 # Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
@@ -114,7 +114,7 @@ def prepare_decoder_inputs(
         config=model.config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
-        cache=cache,
+        **cache_kwarg(cache),
         position_ids=position_ids,
     )
     position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
@@ -191,7 +191,7 @@ class MHCDecoderLayer(LlamaDecoderLayer):
         self.attn_hc = MHCHyperConnection(config)
         self.ffn_hc = MHCHyperConnection(config)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -210,7 +210,7 @@ class MHCDecoderLayer(LlamaDecoderLayer):
             hidden_states=self.input_layernorm(collapsed),
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
+            **cache_kwarg(cache),
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -284,7 +284,7 @@ class MHCModel(MHCPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -324,13 +324,13 @@ class MHCModel(MHCPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                cache=cache,
+                **cache_kwarg(cache),
                 use_cache=use_cache,
                 hc_backend=backend_on(hidden_states.device),
                 **kwargs,
             )
         hidden_states = self.norm(self.hc_head(hidden_states, backend_on(hidden_states.device)))
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwarg(cache))
 
     @torch.no_grad()
     def hyper_connection_weights(self, input_ids: torch.LongTensor,

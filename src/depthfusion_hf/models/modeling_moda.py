@@ -31,12 +31,12 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_moda import MoDAConfig
 from .moda_attention import moda_attention, resolve_backend
+from .transformers_compat import accepts_cache, cache_kwarg
 
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
@@ -118,7 +118,7 @@ def prepare_decoder_inputs(
         config=model.config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
-        cache=cache,
+        **cache_kwarg(cache),
         position_ids=position_ids,
     )
     position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
@@ -142,7 +142,7 @@ class MoDAAttention(LlamaAttention):
     Returns ``(output [B, T, D], weights or None, (key, value))``: the joint softmax [B, Hq, T, S + M] (with
     ``output_attentions``; with autograd) and this layer's post-RoPE K/V [B, Hkv, T, d], its depth entry."""
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -241,7 +241,7 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         key, value = self.ffn_kv_proj(ffn_input).view(batch, tokens, -1, 2, self.head_dim).unbind(dim=3)
         return rotate_depth_key(key.transpose(1, 2), depth_rope), value.contiguous().transpose(1, 2)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -266,8 +266,8 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         num_keys = len(depth_entries) // 2
         hidden_states, _, (attn_key, attn_value) = self.self_attn(
             hidden_states=hidden_states, attention_mask=attention_mask, depth_keys=depth_entries[:num_keys],
-            depth_values=depth_entries[num_keys:], position_ids=position_ids, cache=cache, use_cache=use_cache,
-            position_embeddings=position_embeddings, op_backend=op_backend, **kwargs,
+            depth_values=depth_entries[num_keys:], position_ids=position_ids, use_cache=use_cache,
+            position_embeddings=position_embeddings, op_backend=op_backend, **cache_kwarg(cache), **kwargs,
         )
         hidden_states = residual + hidden_states
         if pre_norm:
@@ -332,7 +332,7 @@ class MoDAModel(MoDAPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -363,7 +363,8 @@ class MoDAModel(MoDAPreTrainedModel):
             # top-left causal alignment over all max_cache_len keys. moda_attention aligns a missing mask
             # bottom-right (the queries are the last T of the S keys), so this pass needs the mask written out.
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=None,
-                                             cache=cache, position_ids=position_ids, allow_is_causal_skip=False)
+                                             position_ids=position_ids, allow_is_causal_skip=False,
+                                             **cache_kwarg(cache))
         kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
         # Differs from Llama: the op's backend, once per pass, and the depth entries written so far (per token).
         backend = resolve_backend(None, hidden_states.device, self.config.op_backend)
@@ -374,13 +375,13 @@ class MoDAModel(MoDAPreTrainedModel):
             start, stop = decoder_layer.depth_window
             hidden_states, *written = decoder_layer(
                 hidden_states, *keys[start:stop], *values[start:stop], attention_mask=causal_mask,
-                position_embeddings=position_embeddings, position_ids=position_ids, cache=cache, use_cache=use_cache,
-                op_backend=backend, depth_rope=depth_rope, **kwargs,
+                position_embeddings=position_embeddings, position_ids=position_ids, use_cache=use_cache,
+                op_backend=backend, depth_rope=depth_rope, **cache_kwarg(cache), **kwargs,
             )
             keys += written[: len(written) // 2]
             values += written[len(written) // 2:]
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwarg(cache))
 
     @torch.no_grad()
     def depth_attention_share(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
