@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import depthfusion_hf.models.modeling_moda as modeling_moda
 from depthfusion_hf import MoDAConfig, MoDAForCausalLM, MoDAModel
@@ -212,6 +213,16 @@ def test_unsupported_attention_implementation_raises():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="MoDA supports attn_implementation"):
         model(torch.randint(3, 97, (1, 4)))
+
+
+def test_vllm_attention_is_refused_at_construction_with_the_reason(monkeypatch):
+    """vLLM's Transformers backend registers its attention function as ``"vllm"``, sets ``_attn_implementation =
+    "vllm"`` on the config, then builds the model (served for real in tests/serving/)."""
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "vllm", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    config = tiny_config()
+    config._attn_implementation = "vllm"
+    with pytest.raises(ValueError, match=r"cannot be served by vLLM.*log-sum-exp.*model\.generate"):
+        MoDAForCausalLM(config)
 
 
 @pytest.mark.parametrize("norm_position", ["pre", "post"])

@@ -177,8 +177,10 @@ SMALL_NUMEL = 1 << 14
 
 
 def _scalar_weights(w: torch.Tensor) -> list[float] | torch.Tensor:
-    """Python floats on CPU (no sync there; scalar ``alpha`` arguments), else the tensor (indexing it stays async)."""
-    return w.tolist() if w.device.type == "cpu" else w
+    """Python floats on CPU (no sync there; scalar ``alpha`` arguments), else the tensor (indexing it stays async).
+    Under ``torch.compile`` the tensor: dynamo cannot trace ``tolist()`` of a float tensor (a full graph, as vLLM
+    compiles, fails on it)."""
+    return w.tolist() if w.device.type == "cpu" and not torch.compiler.is_compiling() else w
 
 
 def _source_gradient(grad_out: torch.Tensor, weight: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:

@@ -41,6 +41,22 @@ from .transformers_compat import accepts_cache, cache_kwarg
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
+def check_attn_implementation(implementation: str | None) -> None:
+    """Raise a ValueError unless MoDA can run ``implementation``; vLLM's (``"vllm"``, its Transformers backend) gets
+    why and what to use instead."""
+    if implementation in SUPPORTED_ATTN_IMPLEMENTATIONS:
+        return
+    reason = "depth entries join the softmax, so other attention kernels cannot be used"
+    if implementation == "vllm":
+        reason = (
+            "MoDA cannot be served by vLLM's Transformers backend: its joint softmax over the sequence and the token's "
+            "depth entries needs the sequence attention's log-sum-exp, which vLLM's attention function does not "
+            "return. Generate with transformers instead (model.generate; docs/SERVING.md)"
+        )
+    raise ValueError(f"MoDA supports attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS}; got {implementation!r} "
+                     f"({reason})")
+
+
 # Copied from depthfusion_hf.models.modeling_denseformer.check_token_inputs
 def check_token_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int) -> None:
     """Reject decoder inputs the model cannot compute with a ValueError that names the problem.
@@ -156,12 +172,7 @@ class MoDAAttention(LlamaAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
         """MoDA attention of ``hidden_states`` [B, T, D] over the sequence pool and the token's depth entries
         ``depth_keys`` / ``depth_values`` (this layer's window, each [B, Hkv, T, d]) on backend ``op_backend``."""
-        implementation = self.config._attn_implementation
-        if implementation not in SUPPORTED_ATTN_IMPLEMENTATIONS:
-            raise ValueError(
-                f"MoDA supports attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS}; got {implementation!r} "
-                "(depth entries join the softmax, so other attention kernels cannot be used)"
-            )
+        check_attn_implementation(self.config._attn_implementation)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -303,6 +314,7 @@ class MoDAPreTrainedModel(LlamaPreTrainedModel):
     def __init__(self, config: MoDAConfig, *inputs, **kwargs):
         config.check_fields()  # a field changed after construction gets the construction error
         super().__init__(config, *inputs, **kwargs)
+        check_attn_implementation(self.config._attn_implementation)  # e.g. vLLM's, set before it builds the model
 
 
 class MoDAModel(MoDAPreTrainedModel):
