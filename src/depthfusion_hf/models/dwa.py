@@ -177,10 +177,8 @@ SMALL_NUMEL = 1 << 14
 
 
 def _scalar_weights(w: torch.Tensor) -> list[float] | torch.Tensor:
-    """Python floats on CPU (no sync there; scalar ``alpha`` arguments), else the tensor (indexing it stays async).
-    Under ``torch.compile`` the tensor: dynamo cannot trace ``tolist()`` of a float tensor (a full graph, as vLLM
-    compiles, fails on it)."""
-    return w.tolist() if w.device.type == "cpu" and not torch.compiler.is_compiling() else w
+    """Python floats on CPU (no sync there; scalar ``alpha`` arguments), else the tensor (indexing it stays async)."""
+    return w.tolist() if w.device.type == "cpu" else w
 
 
 def _source_gradient(grad_out: torch.Tensor, weight: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
@@ -238,6 +236,8 @@ def dwa_torch(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype: tor
     (a negligible copy), and one matrix-vector product of plain autograd ops: two kernels instead of N.
     """
     if sources[0].numel() > SMALL_NUMEL:
+        if torch.compiler.is_compiling():  # plain ops, fused by the compiler: a full graph (as vLLM compiles) cannot
+            return dwa_reference(sources, weights, dtype)  # trace the Function (its float tolist(), its ctx)
         return _DepthWeightedAverage.apply(dtype, weights, *sources)
     acc_dtype = accumulation_dtype(dtype)
     stacked = torch.stack([x if x.dtype == acc_dtype else x.to(acc_dtype) for x in sources])
