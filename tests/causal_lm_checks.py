@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, GenerationConfig
 
+from depthfusion_hf.models.transformers_compat import output_cache
+
 # The shared tiny decoder shape (GQA 4 query / 2 KV heads); ids 0-2 are pad/bos/eos, the checks draw from 3-96.
 TINY_DECODER = dict(
     vocab_size=97,
@@ -46,7 +48,7 @@ def assert_past_key_values_alias_uses_the_cache(model, vocab_size: int = 97) -> 
     """The deprecated ``past_key_values`` keyword still feeds the cache to the forward."""
     ids = torch.randint(3, vocab_size, (1, 6))
     with torch.no_grad():
-        cache = model(ids[:, :5], use_cache=True).cache
+        cache = output_cache(model(ids[:, :5], use_cache=True))
         assert cache.get_seq_length() == 5
         step = model(ids[:, 5:], past_key_values=cache).logits
         torch.testing.assert_close(step[:, -1], model(ids).logits[:, -1], rtol=1e-5, atol=1e-5)

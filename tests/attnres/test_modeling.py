@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 from depthfusion_hf.models.configuration_attnres import AttnResConfig
 from depthfusion_hf.models.depthfusion_common import check_token_inputs
 from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM, AttnResModel
+from depthfusion_hf.models.transformers_compat import enable_activation_checkpointing
 from tests.causal_lm_checks import assert_a_few_adamw_steps_lower_the_loss
 
 from .helpers import naive_attnres_forward, randomise_attnres, tiny_config, tiny_llama_config
@@ -157,7 +158,7 @@ def test_gradient_checkpointing_same_gradients(reentrant):
 
     model.train()
     plain = grads()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_activation_checkpointing(model, {"use_reentrant": reentrant})
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = grads()
     names = {n for n, _ in model.named_parameters()}

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaForCa
 
 from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM, DenseFormerModel
 from depthfusion_hf.models.modeling_denseformer import dwa_sources
+from depthfusion_hf.models.transformers_compat import enable_activation_checkpointing
 from tests.causal_lm_checks import assert_a_few_adamw_steps_lower_the_loss
 from tests.kernels._dwa_cases import rel_rms
 
@@ -158,7 +159,7 @@ def test_gradient_checkpointing_same_gradients():
 
     model.train()
     plain = grads()
-    model.activation_checkpointing_enable()
+    enable_activation_checkpointing(model)
     checkpointed = grads()
     assert plain.keys() == checkpointed.keys() and "model.dwa.alphas" in plain
     for name in plain:

@@ -8,6 +8,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from depthfusion_hf.models.configuration_mhc import MHCConfig
 from depthfusion_hf.models.modeling_mhc import MHCForCausalLM, MHCHyperConnection, MHCHyperHead, MHCModel
+from depthfusion_hf.models.transformers_compat import enable_activation_checkpointing
 from tests.causal_lm_checks import assert_a_few_adamw_steps_lower_the_loss
 
 from .helpers import EPS, float_keeps_float64, max_rel, randomise_mhc, tiny_config, transformers_modules
@@ -195,7 +196,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(reentrant):
     for checkpointing in (False, True):
         model = float64_model().train()
         if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            enable_activation_checkpointing(model, {"use_reentrant": reentrant})
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         results.append((loss.detach(), [p.grad for p in model.parameters()]))

@@ -15,6 +15,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, GenerationConfig, StaticCache
 
+from depthfusion_hf.models.transformers_compat import output_cache
+
 from .helpers import tiny_model
 
 F64 = torch.float64
@@ -94,7 +96,7 @@ def test_training_with_a_cached_prefix_equals_the_reference(monkeypatch):
     model = tiny_model(seed=12).to(F64).train()
     ids = torch.randint(3, 97, (2, 8))
     with torch.no_grad():
-        prefix = model(ids[:, :5], use_cache=True).cache
+        prefix = output_cache(model(ids[:, :5], use_cache=True))
     assert_matches_reference(
         model, lambda: {"input_ids": ids[:, 5:], "cache": cloned(prefix, model.config), "use_cache": True},
         monkeypatch)
@@ -105,7 +107,7 @@ def test_one_token_step_with_gradients_equals_the_reference(monkeypatch, trainab
     model = tiny_model(seed=6).to(F64).train()
     ids = torch.randint(3, 97, (2, 7))
     with torch.no_grad():
-        prefix = model(ids[:, :6], use_cache=True).cache
+        prefix = output_cache(model(ids[:, :6], use_cache=True))
     wrt, inputs = None, {"input_ids": ids[:, 6:]}
     if trainable == "embeddings":  # a frozen model: gradients w.r.t. the input embeddings only
         model.requires_grad_(False)
@@ -328,7 +330,7 @@ def test_model_cast_to_float64_between_calls(monkeypatch):
     with torch.no_grad(), on("torch", monkeypatch):
         model(ids)  # a float32 pass first
         model.to(F64)
-        cache = model(ids[:, :5], use_cache=True).cache
+        cache = output_cache(model(ids[:, :5], use_cache=True))
         step = model(ids[:, 5:], cache=cache, use_cache=True).logits
         full = model(ids).logits
     with torch.no_grad(), on("reference", monkeypatch):

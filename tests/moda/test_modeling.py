@@ -4,9 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import depthfusion_hf.models.modeling_moda as modeling_moda
 from depthfusion_hf import MoDAConfig, MoDAForCausalLM, MoDAModel
+from depthfusion_hf.models.transformers_compat import enable_activation_checkpointing, output_cache
 
 from .helpers import TINY, tiny_config, tiny_llama_config, tiny_model
 
@@ -31,7 +33,7 @@ def test_layers_read_all_earlier_entries_of_their_token(monkeypatch, norm_positi
     calls = spy_on_the_op(monkeypatch)
     ids = torch.randint(3, 97, (2, 9))
     with torch.no_grad():
-        cache = model(ids, use_cache=True).cache
+        cache = output_cache(model(ids, use_cache=True))
     per_layer = 2 if ffn_kv else 1
     assert [len(c["keys"]) for c in calls] == [per_layer * layer for layer in range(4)]
     assert all(e.shape == (2, 2, 9, 12) for c in calls for e in c["keys"] + c["values"])
@@ -121,7 +123,7 @@ def test_output_attentions_of_a_decode_step_equal_the_full_forward():
     ids = torch.randint(3, 97, (2, 6))
     with torch.no_grad():
         full = model(ids, output_attentions=True).attentions
-        cache = model(ids[:, :5], use_cache=True).cache
+        cache = output_cache(model(ids[:, :5], use_cache=True))
         step = model(ids[:, 5:], cache=cache, use_cache=True, output_attentions=True).attentions
     for layer, (a, b) in enumerate(zip(full, step)):
         assert b.shape == (2, 4, 1, 6 + 2 * layer)  # [B, Hq, 1, S + M_l]
@@ -213,6 +215,16 @@ def test_unsupported_attention_implementation_raises():
         model(torch.randint(3, 97, (1, 4)))
 
 
+def test_vllm_attention_is_refused_at_construction_with_the_reason(monkeypatch):
+    """vLLM's Transformers backend registers its attention function as ``"vllm"``, sets ``_attn_implementation =
+    "vllm"`` on the config, then builds the model (served for real in tests/serving/)."""
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "vllm", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    config = tiny_config()
+    config._attn_implementation = "vllm"
+    with pytest.raises(ValueError, match=r"cannot be served by vLLM.*log-sum-exp.*model\.generate"):
+        MoDAForCausalLM(config)
+
+
 @pytest.mark.parametrize("norm_position", ["pre", "post"])
 def test_save_load_identical_logits(tmp_path, norm_position):
     model = tiny_model(norm_position=norm_position)
@@ -231,7 +243,7 @@ def test_gradient_checkpointing_same_grads():
     grads = []
     for checkpointing in (False, True):
         if checkpointing:
-            model.activation_checkpointing_enable()
+            enable_activation_checkpointing(model)
         model.zero_grad()
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig
-from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
+from transformers.configuration_utils import PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .fusion_dwatt import FUSION_HEADS
 from .sizes_dwatt import check_fraction, concat_head_num_params, deeper_head_num_params, dwatt_head_num_params  # noqa: F401
+from .transformers_compat import SubConfigSpec, build_sub_config
 
 FUSION_METHODS = tuple(FUSION_HEADS)  # ("dwatt", "concat", "last", "deeper", "last_ln")
 _BACKBONE_HINT = "pass the encoder's config, e.g. BertConfig(...) or {'model_type': 'bert', ...}"
@@ -125,7 +126,10 @@ class DWAttConfig(PreTrainedConfig):
     """
 
     model_type = "dwatt"
-    sub_configs_defaults = {"backbone_config": SubConfigSpec(config_class=AutoConfig, model_type="bert")}
+    if SubConfigSpec is not None:
+        sub_configs_defaults = {"backbone_config": SubConfigSpec(config_class=AutoConfig, model_type="bert")}
+    else:  # transformers < 5.20: __post_init__ builds the backbone config (build_sub_config)
+        sub_configs = {"backbone_config": AutoConfig}
 
     backbone_config: dict | PreTrainedConfig | None = None
     fusion: str = "dwatt"
@@ -140,6 +144,7 @@ class DWAttConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         check_backbone_dict(self.backbone_config)
+        self.backbone_config = build_sub_config(self.backbone_config, default_model_type="bert")
         check_no_backbone_shape_kwargs(kwargs)
         num_labels = kwargs.get("num_labels")
         # Builds self.backbone_config from a dict / None, then sets the other kwargs; a top-level vocab_size (written

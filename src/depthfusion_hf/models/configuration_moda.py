@@ -50,7 +50,15 @@ class MoDAConfig(DecoderConfigMixin, LlamaConfig):
     def base_model_tp_plan(self) -> dict[str, str]:
         """Llama's plan, plus the FFN-side depth K/V projection where the layers have one (``moda_ffn_kv``): it is
         laid out head-major ([Hkv, 2, d]), so a column-wise shard holds whole heads, like k_proj / v_proj."""
-        return {**LlamaConfig.base_model_tp_plan, **({"layers.*.ffn_kv_proj": "colwise"} if self.moda_ffn_kv else {})}
+        plan = {**LlamaConfig.base_model_tp_plan, **({"layers.*.ffn_kv_proj": "colwise"} if self.moda_ffn_kv else {})}
+        return {**plan, **vars(self).get("base_model_tp_plan", {})}
+
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan: dict[str, str]) -> None:
+        # transformers < 5.21 adds `embed_tokens` to the plan of a config with tied embeddings: kept as an entry beside
+        # the computed plan (not serialised: transformers drops `base_model_tp_plan` from config.json).
+        computed = {**LlamaConfig.base_model_tp_plan, "layers.*.ffn_kv_proj": "colwise"}
+        vars(self)["base_model_tp_plan"] = {key: value for key, value in plan.items() if key not in computed}
 
     def check_family_fields(self) -> None:
         """Validate every field; raise a ValueError naming the field and its allowed values.

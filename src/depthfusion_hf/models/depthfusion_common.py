@@ -26,6 +26,8 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.configuration_llama import LlamaConfig
 
+from .transformers_compat import cache_kwarg
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "torch", "triton")
@@ -333,7 +335,7 @@ def prepare_decoder_inputs(
         config=model.config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
-        cache=cache,
+        **cache_kwarg(cache),
         position_ids=position_ids,
     )
     position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)

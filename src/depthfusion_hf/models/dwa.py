@@ -181,6 +181,8 @@ def dwa_torch(sources: Sequence[torch.Tensor], weights: torch.Tensor, dtype: tor
     (a negligible copy), and one matrix-vector product of plain autograd ops: two kernels instead of N.
     """
     if sources[0].numel() > SMALL_NUMEL:
+        if torch.compiler.is_compiling():  # plain ops, fused by the compiler: a full graph (as vLLM compiles) cannot
+            return dwa_reference(sources, weights, dtype)  # trace the Function (its float tolist(), its ctx)
         return _DepthWeightedAverage.apply(dtype, weights, *sources)
     acc_dtype = accumulation_dtype(dtype)
     stacked = torch.stack([x if x.dtype == acc_dtype else x.to(acc_dtype) for x in sources])

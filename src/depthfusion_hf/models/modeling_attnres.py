@@ -27,13 +27,13 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attnres import attnres_core, resolve_backend
 from .configuration_attnres import AttnResConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
+from .transformers_compat import accepts_cache, cache_kwarg
 
 
 class AttnResMix(nn.Module):
@@ -78,7 +78,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         self.mlp_res = AttnResMix(config.hidden_size, config.rms_norm_eps)
         self.output_res = AttnResMix(config.hidden_size, config.rms_norm_eps)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -95,7 +95,7 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
+            **cache_kwarg(cache),
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -154,7 +154,7 @@ class AttnResModel(AttnResPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -183,12 +183,12 @@ class AttnResModel(AttnResPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                cache=cache,
+                **cache_kwarg(cache),
                 use_cache=use_cache,
                 op_backend=backend_on(hidden_states.device),
                 **kwargs,
             )
-        return AttnResModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+        return AttnResModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **cache_kwarg(cache))
 
     @torch.no_grad()
     def depth_attention_weights(

@@ -30,13 +30,13 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_denseformer import DenseFormerConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .dwa import dwa_core, resolve_backend
+from .transformers_compat import accepts_cache, cache_kwarg
 
 
 def dwa_sources(step: int, dilation: int) -> list[int]:
@@ -146,7 +146,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         """The learned DWA weights as a dense [d, d + 1] matrix (0 where not connected)."""
         return self.dwa.weight_matrix()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -182,7 +182,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                cache=cache,
+                **cache_kwarg(cache),
                 use_cache=use_cache,
                 **kwargs,
             )
@@ -196,7 +196,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                 sources = [block_outputs[j].to(device) for j in self.dwa.sources[i]]
                 hidden_states = self.dwa(sources, i, backend=backend_on(device))
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwarg(cache))
 
 
 class DenseFormerForCausalLM(DenseFormerPreTrainedModel, LlamaForCausalLM):

@@ -27,7 +27,6 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -40,6 +39,7 @@ from .mhc_connection import (
     resolve_backend,
 )
 from .mhc_mix import hyper_mix_core
+from .transformers_compat import accepts_cache, cache_kwarg
 
 
 class MHCHyperConnection(nn.Module):
@@ -115,7 +115,7 @@ class MHCDecoderLayer(LlamaDecoderLayer):
         self.attn_hc = MHCHyperConnection(config)
         self.ffn_hc = MHCHyperConnection(config)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -135,7 +135,7 @@ class MHCDecoderLayer(LlamaDecoderLayer):
             hidden_states=self.input_layernorm(collapsed),
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
+            **cache_kwarg(cache),
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -198,7 +198,7 @@ class MHCModel(MHCPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -232,13 +232,13 @@ class MHCModel(MHCPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                cache=cache,
+                **cache_kwarg(cache),
                 use_cache=use_cache,
                 op_backend=backend_on(hidden_states.device),
                 **kwargs,
             )
         hidden_states = self.norm(self.hc_head(hidden_states, backend_on(hidden_states.device)))
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwarg(cache))
 
     @torch.no_grad()
     def hyper_connection_weights(self, input_ids: torch.LongTensor,

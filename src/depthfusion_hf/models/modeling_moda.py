@@ -31,15 +31,31 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_moda import MoDAConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .moda_attention import moda_attention, resolve_backend
+from .transformers_compat import accepts_cache, cache_kwarg
 
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def check_attn_implementation(implementation: str | None) -> None:
+    """Raise a ValueError unless MoDA can run ``implementation``; vLLM's (``"vllm"``, its Transformers backend) gets
+    why and what to use instead."""
+    if implementation in SUPPORTED_ATTN_IMPLEMENTATIONS:
+        return
+    reason = "depth entries join the softmax, so other attention kernels cannot be used"
+    if implementation == "vllm":
+        reason = (
+            "MoDA cannot be served by vLLM's Transformers backend: its joint softmax over the sequence and the token's "
+            "depth entries needs the sequence attention's log-sum-exp, which vLLM's attention function does not "
+            "return. Generate with transformers instead (model.generate; docs/SERVING.md)"
+        )
+    raise ValueError(f"MoDA supports attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS}; got {implementation!r} "
+                     f"({reason})")
 
 
 def depth_window(config: MoDAConfig, layer_idx: int) -> tuple[int, int]:
@@ -59,7 +75,7 @@ class MoDAAttention(LlamaAttention):
     Returns ``(output [B, T, D], weights or None, (key, value))``: the joint softmax [B, Hq, T, S + M] (with
     ``output_attentions``; with autograd) and this layer's post-RoPE K/V [B, Hkv, T, d], its depth entry."""
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -73,12 +89,7 @@ class MoDAAttention(LlamaAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
         """MoDA attention of ``hidden_states`` [B, T, D] over the sequence pool and the token's depth entries
         ``depth_keys`` / ``depth_values`` (this layer's window, each [B, Hkv, T, d]) on backend ``op_backend``."""
-        implementation = self.config._attn_implementation
-        if implementation not in SUPPORTED_ATTN_IMPLEMENTATIONS:
-            raise ValueError(
-                f"MoDA supports attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS}; got {implementation!r} "
-                "(depth entries join the softmax, so other attention kernels cannot be used)"
-            )
+        check_attn_implementation(self.config._attn_implementation)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -158,7 +169,7 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         key, value = self.ffn_kv_proj(ffn_input).view(batch, tokens, -1, 2, self.head_dim).unbind(dim=3)
         return rotate_depth_key(key.transpose(1, 2), depth_rope), value.contiguous().transpose(1, 2)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -183,7 +194,7 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         num_keys = len(depth_entries) // 2
         hidden_states, _, (attn_key, attn_value) = self.self_attn(
             hidden_states=hidden_states, attention_mask=attention_mask, depth_keys=depth_entries[:num_keys],
-            depth_values=depth_entries[num_keys:], position_ids=position_ids, cache=cache, use_cache=use_cache,
+            depth_values=depth_entries[num_keys:], position_ids=position_ids, use_cache=use_cache, **cache_kwarg(cache),
             position_embeddings=position_embeddings, op_backend=op_backend, **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -217,6 +228,10 @@ class MoDAPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
     _can_compile_fullgraph = True  # one-token StaticCache decoding compiles whole (tested)
     _can_record_outputs = {"hidden_states": MoDADecoderLayer, "attentions": MoDAAttention}
 
+    def __init__(self, config: MoDAConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        check_attn_implementation(self.config._attn_implementation)  # e.g. vLLM's, set before it builds the model
+
 
 class MoDAModel(MoDAPreTrainedModel):
     """The MoDA decoder stack: embeddings, MoDA blocks reading the per-token depth entries, final norm.
@@ -239,7 +254,7 @@ class MoDAModel(MoDAPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -270,7 +285,8 @@ class MoDAModel(MoDAPreTrainedModel):
             # top-left causal alignment over all max_cache_len keys. moda_attention aligns a missing mask
             # bottom-right (the queries are the last T of the S keys), so this pass needs the mask written out.
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=None,
-                                             cache=cache, position_ids=position_ids, allow_is_causal_skip=False)
+                                             position_ids=position_ids, allow_is_causal_skip=False,
+                                             **cache_kwarg(cache))
         kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
         # Differs from Llama: the op's backend (once per pass and device), the depth entries written so far.
         backend_on = backend_per_device(resolve_backend, self.config.op_backend)
@@ -281,13 +297,13 @@ class MoDAModel(MoDAPreTrainedModel):
             start, stop = decoder_layer.depth_window
             hidden_states, *written = decoder_layer(
                 hidden_states, *keys[start:stop], *values[start:stop], attention_mask=causal_mask,
-                position_embeddings=position_embeddings, position_ids=position_ids, cache=cache, use_cache=use_cache,
-                op_backend=backend_on(hidden_states.device), depth_rope=depth_rope, **kwargs,
+                position_embeddings=position_embeddings, position_ids=position_ids, use_cache=use_cache,
+                op_backend=backend_on(hidden_states.device), depth_rope=depth_rope, **cache_kwarg(cache), **kwargs,
             )
             keys += written[: len(written) // 2]
             values += written[len(written) // 2:]
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwarg(cache))
 
     @torch.no_grad()
     def depth_attention_share(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,

@@ -30,6 +30,7 @@ from transformers import (
 from ..convert import llama_config_fields, load_llama, load_llama_start
 from ..data.textfile import DataFormatError, read_text
 from ..families import FAMILIES, Family, causal_lm_families
+from ..models.transformers_compat import CHECKPOINTING_TRAINING_ARG
 from ..remote_code import save_model_folder
 from .checkpoints import CheckpointExtras, full_disk_error, get_last_checkpoint
 
@@ -299,7 +300,7 @@ def training_arguments(output_dir: Path, settings: TrainSettings) -> TrainingArg
         data_seed=settings.seed,
         report_to="none",
         dataloader_num_workers=0,
-        activation_checkpointing=settings.gradient_checkpointing,
+        **{CHECKPOINTING_TRAINING_ARG: settings.gradient_checkpointing},
         bf16=settings.bf16,
         use_cpu=not torch.cuda.is_available(),
         ddp_backend=settings.ddp_backend,
