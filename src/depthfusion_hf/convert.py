@@ -186,21 +186,26 @@ def llama_to_moda(
     moda_ffn_kv: bool = True,
     ffn_kv_init: str = "zero",
     norm_position: str = "pre",
+    depth_gate: bool = True,
     **load_kwargs,
 ) -> MoDAForCausalLM:
     """Convert a ``LlamaForCausalLM`` (object, folder or Hub id) into a pre-norm MoDA model.
 
-    Every Llama weight is copied under the same name. Unlike DenseFormer, the converted model is *not*
-    equal to the Llama: each layer's softmax now also covers the token's own attention K/V from every
-    earlier layer (reused weights, nothing to switch off), so the logits move; continue pre-training.
-    The new FFN-side projections follow ``ffn_kv_init`` (see :func:`init_ffn_kv_from_llama`; the
-    rules move the logits about equally, see docs/MODA.md).
+    Every Llama weight is copied under the same name. With ``depth_gate`` (the default) every layer that reads
+    depth entries gets a learned per-head depth gate that starts closed (``moda_depth_gate=True``,
+    ``moda_depth_gate_init=0.0``): the depth entries get weight exactly 0, so the converted model's logits equal
+    the Llama's (float32 rounding), and continued training opens the gates (their gradient at 0 is
+    ``sum_t Z_d / Z_s (o_d - o_s) . dL/do``, not small; docs/MODA.md). Without it (the paper's MoDA) each layer's
+    softmax also covers the token's own attention K/V from every earlier layer at once, which on a pretrained
+    model takes the attention mass away (SmolLM2-135M: perplexity 31.9 -> 27,308). The new FFN-side projections
+    follow ``ffn_kv_init`` (see :func:`init_ffn_kv_from_llama`).
 
     Args:
         model_or_path: the Llama model, or anything ``LlamaForCausalLM.from_pretrained`` accepts.
         moda_ffn_kv: add the FFN-side depth K/V projections.
         ffn_kv_init: ``"zero"``, ``"zero_value"`` or ``"copy_kv"``.
         norm_position: must be ``"pre"``: a Llama's weights are trained for pre-norm blocks.
+        depth_gate: start from closed depth gates (exact conversion); False converts to the paper's ungated MoDA.
         load_kwargs: passed to ``from_pretrained`` when a path is given.
     Returns:
         A ``MoDAForCausalLM`` (``norm_position="pre"``, as Llama) on the Llama's device and dtype, in
@@ -214,12 +219,16 @@ def llama_to_moda(
         )
     llama = load_llama(model_or_path, **load_kwargs)
     fields = llama_config_fields(llama.config)
-    config = MoDAConfig(**fields, moda_ffn_kv=moda_ffn_kv, norm_position="pre")
+    if not isinstance(depth_gate, bool):
+        raise ValueError(f"depth_gate must be a bool (True or False); got {depth_gate!r}")
+    gate_fields = {"moda_depth_gate": True, "moda_depth_gate_init": 0.0} if depth_gate else {}
+    config = MoDAConfig(**fields, moda_ffn_kv=moda_ffn_kv, norm_position="pre", **gate_fields)
     attn_implementation = llama.config._attn_implementation
     config._attn_implementation = attn_implementation if attn_implementation in ("eager", "sdpa") else "sdpa"
     model = MoDAForCausalLM(config)
     keep_llama_settings(llama, model)
-    new_keys = tuple(f"model.layers.{i}.ffn_kv_proj." for i in range(config.num_hidden_layers))
+    new_keys = tuple(f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers)
+                     for name in ("ffn_kv_proj.", "self_attn.depth_gate"))
     copy_llama_weights(llama, model, new_keys=new_keys)
     init_ffn_kv_from_llama(model, ffn_kv_init)
     if config.tie_word_embeddings:

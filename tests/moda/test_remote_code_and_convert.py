@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from depthfusion_hf import MoDAConfig, MoDAForCausalLM
 from depthfusion_hf.convert import llama_to_moda
@@ -75,10 +75,12 @@ def test_llama_warm_start_ffn_kv_rules(rule):
     expected_value = attn.v_proj.weight.view(2, 12, 48) if rule == "copy_kv" else torch.zeros(2, 12, 48)
     assert torch.equal(weight[:, 0], expected_key) and torch.equal(weight[:, 1], expected_value)
     ids = torch.randint(3, 97, (2, 10))
+    ungated = llama_to_moda(llama, ffn_kv_init=rule, depth_gate=False)
     with torch.no_grad():
-        logits = moda(ids).logits
-    assert torch.isfinite(logits).all()
-    assert (logits - llama(ids).logits).abs().max() > 0  # depth entries join the softmax: not equal to Llama
+        logits, ungated_logits, want = moda(ids).logits, ungated(ids).logits, llama(ids).logits
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)  # closed gates: the Llama
+    assert torch.isfinite(ungated_logits).all()
+    assert (ungated_logits - want).abs().max() > 1e-2  # the paper's MoDA: depth entries join the softmax at once
 
 
 def test_warm_start_rejects_bad_input():
@@ -88,3 +90,54 @@ def test_warm_start_rejects_bad_input():
         llama_to_moda(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="norm_position must be 'pre'"):
         llama_to_moda(LlamaForCausalLM(tiny_llama_config()), norm_position="post")
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("size", ["tiny", "real"])
+def test_converted_model_equals_the_llama_and_its_gates_learn(attn_implementation, size):
+    """Issue 28: closed depth gates make the converted MoDA the Llama (float32 rounding), with left padding (real
+    tokens compared: a padding row's value is the mean of masked keys, which eager Llama takes over the future keys
+    too) and at the real size of SmolLM2-135M (hidden 576, 9 / 3 heads, intermediate 1536, vocabulary 49,152; 2
+    layers, random weights); every gate gets a finite, non-zero gradient."""
+    if size == "tiny":
+        config = tiny_llama_config(attn_implementation=attn_implementation)
+    else:
+        config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                             vocab_size=49152, num_hidden_layers=2, tie_word_embeddings=True,
+                             attn_implementation=attn_implementation)
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(config).eval()
+    moda = llama_to_moda(llama)
+    assert moda.config.moda_depth_gate and moda.config.moda_depth_gate_init == 0.0
+    assert moda.model.layers[0].self_attn.depth_gate is None  # layer 0 reads no depth entry
+    ids = torch.randint(3, config.vocab_size, (2, 12))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :4] = 0
+    with torch.no_grad():
+        want = llama(ids, attention_mask=attention_mask).logits
+        got = moda(ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, 4:], want[1, 4:], rtol=1e-5, atol=1e-5)
+    moda.train()
+    moda(ids, labels=ids).loss.backward()
+    for layer in moda.model.layers[1:]:
+        grad = layer.self_attn.depth_gate.grad
+        assert torch.isfinite(grad).all() and grad.abs().min() > 0, grad
+
+
+def test_converted_gates_survive_save_and_load(tmp_path):
+    moda = llama_to_moda(LlamaForCausalLM(tiny_llama_config()).eval())
+    with torch.no_grad():
+        moda.model.layers[2].self_attn.depth_gate[1] = 0.25
+    moda.save_pretrained(tmp_path / "moda")
+    loaded = MoDAForCausalLM.from_pretrained(tmp_path / "moda")
+    for layer, loaded_layer in zip(moda.model.layers[1:], loaded.model.layers[1:]):
+        assert torch.equal(layer.self_attn.depth_gate, loaded_layer.self_attn.depth_gate)
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(ids).logits, moda.eval()(ids).logits, rtol=0, atol=0)
+
+
+def test_warm_start_rejects_a_gate_that_is_not_a_bool():
+    with pytest.raises(ValueError, match="depth_gate must be a bool"):
+        llama_to_moda(LlamaForCausalLM(tiny_llama_config()), depth_gate="closed")

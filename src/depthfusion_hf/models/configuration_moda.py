@@ -163,6 +163,12 @@ class MoDAConfig(LlamaConfig):
             the last ``W`` layers (layer ``l`` reads those of layers ``max(0, l - W) .. l - 1``), so the
             depth cost grows as ``L W`` instead of ``L^2`` (the paper's §6.2 direction). None reads every
             earlier layer (the paper's MoDA). Allowed: None or ``1 <= W <= num_hidden_layers``.
+        moda_depth_gate (`bool`, defaults to False): give every layer that reads depth entries a learned
+            per-query-head gate ``g >= 0`` multiplying its depth scores in the joint softmax: ``o = (Z_s o_s +
+            g Z_d o_d) / (Z_s + g Z_d)``. Not in the paper; ``g = 0`` is Llama's attention exactly, which is how
+            ``llama_to_moda`` keeps a converted model equal to its source (docs/MODA.md). False is the paper's MoDA.
+        moda_depth_gate_init (`float`, defaults to 1.0): the gates' initial value (a finite number >= 0; 1 = the
+            paper's softmax, 0 = closed). Used when the gates are initialised, not when they are loaded.
         op_backend (`str` or None, defaults to None): which implementation of the family's op runs:
             ``"reference"`` (the paper's loop), ``"torch"`` (vectorised PyTorch), ``"triton"`` (the fused
             kernel, CUDA), or None / ``"auto"`` (Triton for CUDA tensors when it imports, else PyTorch). An
@@ -177,6 +183,8 @@ class MoDAConfig(LlamaConfig):
     moda_ffn_kv: bool = True
     norm_position: str = "pre"
     moda_depth_window: int | None = None
+    moda_depth_gate: bool = False
+    moda_depth_gate_init: float = 1.0
     op_backend: str | None = None
 
     @property
@@ -206,6 +214,9 @@ class MoDAConfig(LlamaConfig):
         check_op_backend(self)
         if not isinstance(self.moda_ffn_kv, bool):
             raise ValueError(f"`moda_ffn_kv` must be a bool (True or False); got {self.moda_ffn_kv!r}")
+        if not isinstance(self.moda_depth_gate, bool):
+            raise ValueError(f"`moda_depth_gate` must be a bool (True or False); got {self.moda_depth_gate!r}")
+        check_real("moda_depth_gate_init", self.moda_depth_gate_init, 0.0, closed_lower=True)
         if self.norm_position not in NORM_POSITIONS:
             raise ValueError(f"`norm_position` must be one of {NORM_POSITIONS}; got {self.norm_position!r}")
         if self.attention_dropout:

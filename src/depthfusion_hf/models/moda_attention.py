@@ -105,13 +105,14 @@ def resolve_backend(backend: str | None, device: torch.device, config_backend: s
 def _masked_softmax(logits: torch.Tensor, factors: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax over the last dim whose scores ``exp(logit)`` are multiplied by ``factors`` (>= 0, broadcastable;
     None = 1); zeros (not NaN) for a row with no visible score. The shift is detached: a factor of 0 gets its
-    gradient ``exp(logit) / sum`` (never through ``log(factor)``), except in a row whose shift is mask-sized
-    (:func:`unresolved_rows`: every other score carries ``finfo.min``), where that score is 0 (it overflows)."""
+    gradient ``exp(logit) / sum`` (never through ``log(factor)``), except in a row with nothing else visible or whose
+    shift is mask-sized (:func:`unresolved_rows`: every other score carries ``finfo.min``), where that score and its
+    gradient are 0 (the row's output jumps as the factor leaves 0, or the score overflows)."""
     shifted = logits if factors is None else logits + factors.detach().log()
     row_max = shifted.amax(dim=-1, keepdim=True).detach()
     weights = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)))
     if factors is not None:  # (a closed score's logit is replaced before exp: no inf, no NaN in the gradient)
-        closed = unresolved_rows(row_max) & (factors == 0)
+        closed = (factors == 0) & ~(torch.isfinite(row_max) & ~unresolved_rows(row_max))
         weights = torch.exp(torch.where(closed, row_max, logits) - torch.where(torch.isfinite(row_max), row_max, 0))
         weights = torch.where(closed, torch.zeros_like(weights), weights) * factors
     total = weights.sum(dim=-1, keepdim=True)
