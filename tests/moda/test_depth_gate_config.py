@@ -27,7 +27,8 @@ def test_gates_at_one_give_the_ungated_model_bit_for_bit(attn_implementation, ff
     gated = MoDAForCausalLM(tiny_config(attn_implementation=attn_implementation, moda_ffn_kv=ffn_kv,
                                         moda_depth_gate=True)).train()
     result = gated.load_state_dict(plain.state_dict(), strict=False)
-    assert sorted(result.missing_keys) == [f"model.layers.{i}.self_attn.depth_gate" for i in (1, 2, 3)]
+    assert sorted(result.missing_keys) == [f"model.layers.{i}.self_attn.{name}" for i in (1, 2, 3)
+                                           for name in ("depth_gate", "depth_gate_log_scale")]
     assert not result.unexpected_keys
     assert all(torch.equal(layer.self_attn.depth_gate, torch.ones(4)) for layer in gated.model.layers[1:])
     ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(1))

@@ -146,10 +146,11 @@ def straight_through_clamp(gate: torch.Tensor) -> torch.Tensor:
 
 class MoDAAttention(LlamaAttention):
     """Llama attention whose softmax also covers the token's own depth entries (same parameters as Llama; with
-    ``moda_depth_gate``, plus ``depth_gate`` [Hq] on layers that read depth entries: each head's depth scores are
-    multiplied by ``max(depth_gate, 0)``). Returns ``(output [B, T, D], weights or None, (key, value))``: the joint
-    softmax [B, Hq, T, S + M] (with ``output_attentions``; with autograd) and this layer's post-RoPE K/V
-    [B, Hkv, T, d], its depth entry."""
+    ``moda_depth_gate``, plus ``depth_gate`` [Hq] and the fixed buffer ``depth_gate_log_scale`` [Hq] on layers that
+    read depth entries: each head's depth scores are multiplied by ``max(depth_gate, 0) *
+    exp(depth_gate_log_scale)``; the log-scale is 0 unless ``llama_to_moda`` calibrated it). Returns ``(output
+    [B, T, D], weights or None, (key, value))``: the joint softmax [B, Hq, T, S + M] (with ``output_attentions``;
+    with autograd) and this layer's post-RoPE K/V [B, Hkv, T, d], its depth entry."""
 
     def __init__(self, config: MoDAConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -157,6 +158,15 @@ class MoDAAttention(LlamaAttention):
         self.depth_gate = None
         if config.moda_depth_gate and layer_idx > 0:
             self.depth_gate = nn.Parameter(torch.full((config.num_attention_heads,), config.moda_depth_gate_init))
+            # a log, in fp32 arithmetic: calibrated scales reach 1e-11, below float16's range
+            self.register_buffer("depth_gate_log_scale", torch.zeros(config.num_attention_heads))
+
+    def effective_depth_gate(self) -> torch.Tensor | None:
+        """The factor of each head's depth scores, [Hq] fp32: ``max(depth_gate, 0) * exp(depth_gate_log_scale)``
+        (None: no gate)."""
+        if self.depth_gate is None:
+            return None
+        return straight_through_clamp(self.depth_gate.float()) * self.depth_gate_log_scale.float().exp()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -196,7 +206,7 @@ class MoDAAttention(LlamaAttention):
         attn_output = moda_attention(
             query_states, key_states, value_states, depth_keys, depth_values, attention_mask=attention_mask,
             scale=self.scaling, causal=True, backend=op_backend, return_weights=bool(kwargs.get("output_attentions")),
-            depth_gate=None if self.depth_gate is None else straight_through_clamp(self.depth_gate),
+            depth_gate=self.effective_depth_gate(),
         )  # (B, Hq, T, d), or with the weights (B, Hq, T, S + M)
         attn_output, attn_weights = attn_output if isinstance(attn_output, tuple) else (attn_output, None)
         attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
@@ -326,6 +336,7 @@ class MoDAPreTrainedModel(LlamaPreTrainedModel):
         if isinstance(module, MoDAAttention) and module.depth_gate is not None:
             # init.constant_ leaves a gate loaded from a checkpoint untouched.
             init.constant_(module.depth_gate, self.config.moda_depth_gate_init)
+            init.zeros_(module.depth_gate_log_scale)
 
 
 class MoDAModel(MoDAPreTrainedModel):
