@@ -57,7 +57,8 @@ def main() -> None:
     start = time.process_time()
     loss = moda(ids, labels=ids).loss
     loss.backward()
-    print(f"loss {loss.item():.4f} (Llama {llama(ids, labels=ids).loss.item():.4f}); backward CPU {time.process_time() - start:.0f} s")
+    llama_loss = llama(ids, labels=ids).loss.item()
+    print(f"loss {loss.item():.4f} (Llama {llama_loss:.4f}); backward CPU {time.process_time() - start:.0f} s")
     rms = {name: p.grad.pow(2).mean().sqrt().item() for name, p in moda.named_parameters() if p.grad is not None}
     gates = {name: p.grad for name, p in moda.named_parameters() if name.endswith("depth_gate")}
     for name, grad in gates.items():

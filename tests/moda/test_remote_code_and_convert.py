@@ -17,7 +17,8 @@ def test_remote_code_loads_in_fresh_process(tmp_path):
     model.register_for_auto_class("AutoModelForCausalLM")
     folder = tmp_path / "export"
     model.save_pretrained(folder)
-    for name in ("configuration_moda.py", "modeling_moda.py", "moda_attention.py", "model.safetensors"):
+    for name in ("configuration_moda.py", "modeling_moda.py", "moda_attention.py", "moda_torch.py", "moda_triton.py",
+                 "model.safetensors"):
         assert (folder / name).exists(), name
     ids = torch.randint(3, 97, (2, 9))
     with torch.no_grad():
