@@ -165,8 +165,10 @@ class MoDAConfig(LlamaConfig):
             earlier layer (the paper's MoDA). Allowed: None or ``1 <= W <= num_hidden_layers``.
         moda_depth_gate (`bool`, defaults to False): give every layer that reads depth entries a learned
             per-query-head gate ``g >= 0`` multiplying its depth scores in the joint softmax: ``o = (Z_s o_s +
-            g Z_d o_d) / (Z_s + g Z_d)``. Not in the paper; ``g = 0`` is Llama's attention exactly, which is how
-            ``llama_to_moda`` keeps a converted model equal to its source (docs/MODA.md). False is the paper's MoDA.
+            g Z_d o_d) / (Z_s + g Z_d)`` (``g = max(depth_gate, 0) * exp(depth_gate_log_scale)``, the log-scale a
+            buffer that ``llama_to_moda`` can calibrate, else 0). Not in the paper; ``g = 0`` is Llama's attention
+            exactly, which is how ``llama_to_moda`` keeps a converted model equal to its source (docs/MODA.md).
+            False is the paper's MoDA.
         moda_depth_gate_init (`float`, defaults to 1.0): the gates' initial value (a finite number >= 0; 1 = the
             paper's softmax, 0 = closed). Used when the gates are initialised, not when they are loaded.
         op_backend (`str` or None, defaults to None): which implementation of the family's op runs:
