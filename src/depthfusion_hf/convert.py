@@ -181,26 +181,75 @@ def init_ffn_kv_from_llama(model: MoDAForCausalLM, rule: str) -> None:
                 bias[:, 1].copy_(attn.v_proj.bias.view(layer.num_key_value_heads, layer.head_dim))
 
 
+CALIBRATION_LOG_GATE = -46.0  # log(1e-20): depth weights representable in fp32 (R up to ~1e18), states unchanged
+
+
+@torch.no_grad()
+def calibrate_depth_gates(model: MoDAForCausalLM, input_ids: torch.LongTensor) -> None:
+    """Set every gated head's ``depth_gate_log_scale`` to ``-log R``, R its median depth-to-sequence mass ratio
+    ``Z_d / Z_s`` over the tokens of ``input_ids`` [B, T], measured where training starts (the hidden states of the
+    closed model: the gates are opened by 1e-20 only), so that small gate values u give the typical token a depth
+    share of about ``u`` in every head and an optimiser step of size lr moves it by about lr. On SmolLM2-135M, R
+    spans many orders of magnitude across heads (docs/MODA.md): without this scale one Adam step of 1e-6 on the raw
+    gates takes the loss from 1.66 to 2.23. The gates' values are kept.
+
+    Raises:
+        ValueError: the model has no depth gates, or ``input_ids`` is not a [B, T] integer tensor of ids in range.
+    """
+    attentions = {index: layer.self_attn for index, layer in enumerate(model.model.layers)
+                  if layer.self_attn.depth_gate is not None}
+    if not attentions:
+        raise ValueError("calibrate_depth_gates needs a MoDA model with depth gates (moda_depth_gate=True)")
+    if (not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.is_floating_point()
+            or input_ids.numel() == 0):
+        raise ValueError(f"calibration input_ids must be a non-empty [batch, tokens] integer tensor; got "
+                         f"{tuple(input_ids.shape) if torch.is_tensor(input_ids) else type(input_ids).__name__}")
+    gates = {index: attn.depth_gate.detach().clone() for index, attn in attentions.items()}
+    for attn in attentions.values():
+        attn.depth_gate.fill_(1.0)
+        attn.depth_gate_log_scale.fill_(CALIBRATION_LOG_GATE)
+    try:
+        weights = model.model(input_ids=input_ids.to(model.device), output_attentions=True, use_cache=False).attentions
+    finally:
+        for index, attn in attentions.items():
+            attn.depth_gate.copy_(gates[index])
+    tokens = input_ids.shape[1]
+    for index, attn in attentions.items():
+        joint = weights[index].float()  # [B, Hq, T, T + M]: the sequence columns first
+        log_ratio = joint[..., tokens:].sum(-1).log() - joint[..., :tokens].sum(-1).log() - CALIBRATION_LOG_GATE
+        median = log_ratio.transpose(0, 1).flatten(1).median(dim=1).values  # [Hq]: median log(Z_d / Z_s)
+        attn.depth_gate_log_scale.copy_(-median)
+
+
 def llama_to_moda(
     model_or_path: LlamaForCausalLM | str | os.PathLike,
     moda_ffn_kv: bool = True,
     ffn_kv_init: str = "zero",
     norm_position: str = "pre",
+    depth_gate: bool = True,
+    calibration_ids: torch.LongTensor | None = None,
     **load_kwargs,
 ) -> MoDAForCausalLM:
     """Convert a ``LlamaForCausalLM`` (object, folder or Hub id) into a pre-norm MoDA model.
 
-    Every Llama weight is copied under the same name. Unlike DenseFormer, the converted model is *not*
-    equal to the Llama: each layer's softmax now also covers the token's own attention K/V from every
-    earlier layer (reused weights, nothing to switch off), so the logits move; continue pre-training.
-    The new FFN-side projections follow ``ffn_kv_init`` (see :func:`init_ffn_kv_from_llama`; the
-    rules move the logits about equally, see docs/MODA.md).
+    Every Llama weight is copied under the same name. With ``depth_gate`` (the default) every layer that reads
+    depth entries gets a learned per-head depth gate that starts closed (``moda_depth_gate=True``,
+    ``moda_depth_gate_init=0.0``): the depth entries get weight exactly 0, so the converted model's logits equal
+    the Llama's (float32 rounding), and continued training opens the gates (their gradient at 0 is
+    ``sum_t Z_d / Z_s (o_d - o_s) . dL/do``, not small; docs/MODA.md). Without it (the paper's MoDA) each layer's
+    softmax also covers the token's own attention K/V from every earlier layer at once, which on a pretrained
+    model takes the attention mass away (SmolLM2-135M: perplexity 31.9 -> 27,308). The new FFN-side projections
+    follow ``ffn_kv_init`` (see :func:`init_ffn_kv_from_llama`).
 
     Args:
         model_or_path: the Llama model, or anything ``LlamaForCausalLM.from_pretrained`` accepts.
         moda_ffn_kv: add the FFN-side depth K/V projections.
         ffn_kv_init: ``"zero"``, ``"zero_value"`` or ``"copy_kv"``.
         norm_position: must be ``"pre"``: a Llama's weights are trained for pre-norm blocks.
+        depth_gate: start from closed depth gates (exact conversion); False converts to the paper's ungated MoDA.
+        calibration_ids: [B, T] token ids of representative text: scale each gate by its head's depth-to-sequence
+            mass ratio (:func:`calibrate_depth_gates`), so that every gate trains at one learning rate. Recommended
+            for continued training; without it the gates are raw factors (exact all the same).
         load_kwargs: passed to ``from_pretrained`` when a path is given.
     Returns:
         A ``MoDAForCausalLM`` (``norm_position="pre"``, as Llama) on the Llama's device and dtype, in
@@ -214,21 +263,29 @@ def llama_to_moda(
         )
     llama = load_llama(model_or_path, **load_kwargs)
     fields = llama_config_fields(llama.config)
-    config = MoDAConfig(**fields, moda_ffn_kv=moda_ffn_kv, norm_position="pre")
+    if not isinstance(depth_gate, bool):
+        raise ValueError(f"depth_gate must be a bool (True or False); got {depth_gate!r}")
+    gate_fields = {"moda_depth_gate": True, "moda_depth_gate_init": 0.0} if depth_gate else {}
+    config = MoDAConfig(**fields, moda_ffn_kv=moda_ffn_kv, norm_position="pre", **gate_fields)
     attn_implementation = llama.config._attn_implementation
     config._attn_implementation = attn_implementation if attn_implementation in ("eager", "sdpa") else "sdpa"
     model = MoDAForCausalLM(config)
     keep_llama_settings(llama, model)
-    new_keys = tuple(f"model.layers.{i}.ffn_kv_proj." for i in range(config.num_hidden_layers))
+    new_keys = tuple(f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers)
+                     for name in ("ffn_kv_proj.", "self_attn.depth_gate"))  # (the gate's scale too)
     copy_llama_weights(llama, model, new_keys=new_keys)
     init_ffn_kv_from_llama(model, ffn_kv_init)
     if config.tie_word_embeddings:
         model.tie_weights()
+    if calibration_ids is not None:
+        if not depth_gate:
+            raise ValueError("calibration_ids scale the depth gates: pass depth_gate=True with them")
+        calibrate_depth_gates(model, calibration_ids)
     return model
 
 
 __all__ = ["llama_to_denseformer", "load_llama", "copy_llama_weights", "keep_llama_settings", "llama_config_fields"]
-__all__ += ["llama_to_moda", "init_ffn_kv_from_llama", "FFN_KV_INITS"]
+__all__ += ["llama_to_moda", "init_ffn_kv_from_llama", "calibrate_depth_gates", "FFN_KV_INITS"]
 
 
 def llama_to_attnres(

@@ -607,6 +607,8 @@ def _model(family: str, head_dim: int, mode: str):
         config = dfh.DenseFormerConfig(**kwargs, dwa_dilation=2, dwa_period=1)
     elif family == "moda":
         config = dfh.MoDAConfig(**kwargs)
+    elif family == "moda-gated":  # the depth gate's kernel variant (an upcycled model's)
+        config = dfh.MoDAConfig(**kwargs, moda_depth_gate=True, moda_depth_gate_init=0.5)
     elif family == "attnres-block":
         config = dfh.AttnResConfig(**kwargs, attnres_block_size=2)
     elif family == "attnres-full":
@@ -665,6 +667,7 @@ CI_CASES = frozenset({
     "denseformer/model/bf16/d128/train", "denseformer/model/bf16/d128/generate",
     "denseformer/model/autocast-bf16/d128/train",
     "moda/model/bf16/d128/train", "moda/model/bf16/d128/generate", "moda/model/autocast-bf16/d128/train",
+    "moda-gated/model/bf16/d128/train",
     "attnres-block/model/bf16/d128/train", "attnres-block/model/bf16/d128/generate",
     "attnres-block/model/autocast-bf16/d128/train", "attnres-full/model/bf16/d128/train",
     "attnres-full/model/autocast-bf16/d128/train",
@@ -706,7 +709,7 @@ def _build_cases() -> dict[str, Case]:
                 add(f"mhc/op/{dt}/D{dim}/{which}", _mhc_op(dt, (2, 2048, 4, dim), which))
         add(f"mhc/op/{dt}/decode/connection", _mhc_op(dt, (4, 1, 4, 2048), "connection"))
     # models: bf16 weights and bf16 autocast at both head dims; fp32 and fp16 autocast at d 128 (training only)
-    for family in ("denseformer", "moda", "attnres-block", "attnres-full", "mhc"):
+    for family in ("denseformer", "moda", "moda-gated", "attnres-block", "attnres-full", "mhc"):
         for head_dim in (64, 128):
             for mode in ("bf16", "autocast-bf16"):
                 add(f"{family}/model/{mode}/d{head_dim}/train", _model_train(family, head_dim, mode))

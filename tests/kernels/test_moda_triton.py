@@ -58,10 +58,12 @@ def kernels(inputs, attention_mask=None, scale=None, causal=True, **blocks):
     q, k, v, depth_k, depth_v = inputs
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     depth = [x.transpose(1, 2) for x in (depth_k, depth_v)]  # [B, T, Hkv, M, d] views
-    out, lse = triton_moda_forward(q, k, v, *depth, attention_mask, scale, causal, **blocks)
+    out, lse, renorm = triton_moda_forward(q, k, v, *depth, attention_mask, scale, causal, **blocks)
+    assert renorm is None or torch.equal(renorm, torch.ones_like(renorm))  # only mask-sized rows are renormalised
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, out.dtype)
     grads = triton_moda_backward(grad_out, q, k, v, *depth, attention_mask, out, lse, scale, causal, **blocks)
-    dq, dk, dv, _, ddk, ddv = grads
+    dq, dk, dv, _, ddk, ddv, dgate = grads
+    assert dgate is None
     return out, lse, grad_out, [dq, dk, dv, ddk.transpose(1, 2), ddv.transpose(1, 2)]
 
 
@@ -288,3 +290,55 @@ def test_comparison_detects_wrong_semantics():
                   moda_attention(q, k, v, dk, dv, causal=False, backend="reference"),
                   moda_attention(q, k.flip(1), v.flip(1), dk.flip(1), dv.flip(1), backend="reference")):
         assert (out - wrong).norm() > 1e-2 * wrong.norm()
+
+
+@pytest.mark.parametrize("blocks", list(BLOCKS), ids=list(BLOCKS))
+def test_depth_gate_matches_reference(blocks):
+    """The depth gate (issue 28): head h's depth scores times g_h, g = 0 included (exactly the sequence attention);
+    values and gradients, the gate's too (its closed-head gradient is finite and non-zero), against the float64
+    reference, both depth-phase forms."""
+    B, Hq, Hkv, T, S, M, d = 1, 4, 2, 7, 9, 3, 16
+    inputs = make_inputs(B, Hq, Hkv, T, S, M, d, torch.float32)
+    gate = torch.tensor([0.0, 0.4, 1.0, 2.5], device=DEVICE)
+    q, k, v, depth_k, depth_v = inputs
+    depth = [x.transpose(1, 2) for x in (depth_k, depth_v)]
+    out, lse, renorm = triton_moda_forward(q, k, v, *depth, None, d**-0.5, True, gate, **BLOCKS[blocks])
+    assert renorm is None
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    dq, dk, dv, _, ddk, ddv, dgate = triton_moda_backward(grad_out, q, k, v, *depth, None, out, lse, d**-0.5, True,
+                                                          gate, **BLOCKS[blocks])
+    leaves = [x.detach().cpu().double().requires_grad_() for x in (*inputs, gate)]
+    want = moda_attention(*leaves[:5], depth_gate=leaves[5], backend="reference")
+    want_grads = torch.autograd.grad(want, leaves, grad_out.cpu().double())
+    got = [out, dq, dk, dv, ddk.transpose(1, 2), ddv.transpose(1, 2), dgate]
+    for name, g, w in zip(("out", "q", "k", "v", "depth_k", "depth_v", "gate"), got, [want, *want_grads]):
+        err, size = (g.cpu().double() - w).norm().item(), w.norm().item()
+        assert err <= 2e-5 * size + 1e-6, f"{name}: error {err:.3e}, norm {size:.3e}"
+    assert want_grads[5][0].abs() > 1e-3  # the closed head learns
+    no_depth, _, _ = triton_moda_forward(q, k, v, *(x[..., :0, :] for x in depth), None, d**-0.5, True)
+    torch.testing.assert_close(out[:, 0], no_depth[:, 0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_depth", [False, True], ids=["no-depth", "closed-gate"])
+def test_rows_of_only_finfo_min_keys_are_their_mean(with_depth):
+    """Issue 27: an eager padding row (every key at finfo.min) is the mean of its keys' values, with the reference's
+    gradients (finfo.min * log2(e) overflowed to -inf: the kernels returned zeros; the backward now scales the
+    row's incoming gradient by the renormaliser the forward returns)."""
+    B, Hq, Hkv, T, S, d = 2, 2, 1, 5, 5, 16
+    inputs = make_inputs(B, Hq, Hkv, T, S, 2 if with_depth else 0, d, torch.float32)
+    low = torch.finfo(torch.float32).min
+    mask = torch.zeros(B, 1, T, S).masked_fill(torch.ones(T, S, dtype=torch.bool).triu(1), low)
+    mask[1, :, :3, :] = low  # left padding of 3 in batch row 1
+    mask = mask.to(DEVICE)
+    gate = torch.zeros(Hq, device=DEVICE) if with_depth else None
+    grad_out = torch.randn(B, Hq, T, d, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    wrt = leaves(inputs)
+    out = moda_attention(*wrt, attention_mask=mask, backend="triton", depth_gate=gate)
+    grads = torch.autograd.grad(out, wrt, grad_out)
+    torch.testing.assert_close(out[1, :, 2], inputs[2][1, 0, :3].mean(0).expand(Hq, -1), rtol=1e-5, atol=1e-6)
+    ref = [x.detach().cpu().double().requires_grad_() for x in inputs]
+    want = moda_attention(*ref, attention_mask=mask.cpu(), backend="reference",
+                          depth_gate=None if gate is None else gate.cpu().double())
+    want_grads = torch.autograd.grad(want, ref, grad_out.cpu().double())
+    for g, w in zip([out, *grads], [want, *want_grads]):
+        torch.testing.assert_close(g.cpu().double(), w, rtol=1e-5, atol=1e-5)

@@ -288,3 +288,26 @@ def test_non_float_dtypes_raise(dtype, backend):
         moda_attention(*inputs, backend=backend)
 
 
+@pytest.mark.parametrize("with_depth", [False, True], ids=["no-depth", "closed-gate"])
+def test_a_row_of_only_finfo_min_keys_is_their_mean(with_depth):
+    """Issue 27: a padding row of an eager mask (every key at finfo.min, no depth weight) is the mean of its keys'
+    values on every backend, as in the reference and transformers' eager attention (the torch path returned their
+    sum: the log-sum-exp rounds log(n) away at -3.4e38), with the reference's gradients."""
+    q, k, v, dk, dv = _inputs(B=1, Hq=2, Hkv=1, T=3, S=3, M=2 if with_depth else 0)
+    low = torch.finfo(torch.float32).min
+    mask = torch.zeros(1, 1, 3, 3).masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), low)
+    mask[..., 1, :] = low  # row 1 sees keys 0 and 1, both at finfo.min
+    gate = torch.zeros(2) if with_depth else None
+    grad = torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(5))
+    results = {}
+    for backend in ("reference", "torch"):
+        out = moda_attention(q, k, v, dk, dv, attention_mask=mask, backend=backend, depth_gate=gate)
+        results[backend] = [out, *torch.autograd.grad(out, [q, k, v], grad)]
+    want_row = v[0, 0, :2].mean(dim=0).detach()
+    torch.testing.assert_close(results["torch"][0][0, :, 1], want_row.expand(2, -1))
+    for got, want in zip(results["torch"], results["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # transformers' eager attention in float32 over the keys the row sees (its own mask also carries causality, so
+    # on a padding row it averages the future keys too: padding rows are not compared with a Llama's)
+    logits = torch.einsum("hd,sd->hs", q[0, :, 1], k[0, 0, :2]) * 8 ** -0.5 + mask[0, 0, 1, :2]
+    torch.testing.assert_close(results["torch"][0][0, :, 1], torch.softmax(logits, dim=-1) @ v[0, 0, :2])

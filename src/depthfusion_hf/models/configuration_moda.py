@@ -5,7 +5,7 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
-from .depthfusion_common import DecoderConfigMixin, check_positive_int
+from .depthfusion_common import DecoderConfigMixin, check_positive_int, check_real
 
 NORM_POSITIONS = ("pre", "post")
 
@@ -29,6 +29,14 @@ class MoDAConfig(DecoderConfigMixin, LlamaConfig):
             the last ``W`` layers (layer ``l`` reads those of layers ``max(0, l - W) .. l - 1``), so the
             depth cost grows as ``L W`` instead of ``L^2`` (the paper's §6.2 direction). None reads every
             earlier layer (the paper's MoDA). Allowed: None or ``1 <= W <= num_hidden_layers``.
+        moda_depth_gate (`bool`, defaults to False): give every layer that reads depth entries a learned
+            per-query-head gate ``g >= 0`` multiplying its depth scores in the joint softmax: ``o = (Z_s o_s +
+            g Z_d o_d) / (Z_s + g Z_d)`` (``g = max(depth_gate, 0) * exp(depth_gate_log_scale)``, the log-scale a
+            buffer that ``llama_to_moda`` can calibrate, else 0). Not in the paper; ``g = 0`` is Llama's attention
+            exactly, which is how ``llama_to_moda`` keeps a converted model equal to its source (docs/MODA.md).
+            False is the paper's MoDA.
+        moda_depth_gate_init (`float`, defaults to 1.0): the gates' initial value (a finite number >= 0; 1 = the
+            paper's softmax, 0 = closed). Used when the gates are initialised, not when they are loaded.
         op_backend (`str` or None, defaults to None): which implementation of the family's op runs:
             ``"reference"`` (the paper's loop), ``"torch"`` (vectorised PyTorch), ``"triton"`` (the fused
             kernel, CUDA), or None / ``"auto"`` (Triton for CUDA tensors when it imports, else PyTorch). An
@@ -44,6 +52,8 @@ class MoDAConfig(DecoderConfigMixin, LlamaConfig):
     moda_ffn_kv: bool = True
     norm_position: str = "pre"
     moda_depth_window: int | None = None
+    moda_depth_gate: bool = False
+    moda_depth_gate_init: float = 1.0
     op_backend: str | None = None
 
     @property
@@ -68,6 +78,9 @@ class MoDAConfig(DecoderConfigMixin, LlamaConfig):
         """
         if not isinstance(self.moda_ffn_kv, bool):
             raise ValueError(f"`moda_ffn_kv` must be a bool (True or False); got {self.moda_ffn_kv!r}")
+        if not isinstance(self.moda_depth_gate, bool):
+            raise ValueError(f"`moda_depth_gate` must be a bool (True or False); got {self.moda_depth_gate!r}")
+        check_real("moda_depth_gate_init", self.moda_depth_gate_init, 0.0, closed_lower=True)
         if self.norm_position not in NORM_POSITIONS:
             raise ValueError(f"`norm_position` must be one of {NORM_POSITIONS}; got {self.norm_position!r}")
         if self.attention_dropout:

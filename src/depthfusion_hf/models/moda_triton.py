@@ -35,7 +35,6 @@ triton; it never imports ``moda_attention``): it is copied as remote code.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 
 import torch
@@ -96,10 +95,13 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def _hide(b_s, p_mask, m_tile, HAS_MASK: tl.constexpr):
-    """Add the additive mask tile (log2 domain) to the logits; a ``-inf`` mask entry REPLACES the logit."""
+    """Add the additive mask tile (log2 domain) to the logits; a ``-inf`` mask entry REPLACES the logit. A finite
+    entry below ``-FLT_MAX / log2(e)`` (transformers' ``finfo.min``) stays finite: ``-FLT_MAX``, not ``-inf`` (a row
+    of only such keys is their mean, as the reference's rounded softmax, not a row with nothing visible)."""
     if HAS_MASK:
         b_mask = tl.load(p_mask, mask=m_tile, other=0.0)
-        b_s = tl.where(b_mask == float("-inf"), float("-inf"), b_s + b_mask * 1.4426950408889634)
+        b_add = tl.maximum(b_mask * 1.4426950408889634, -3.4028234663852886e38)
+        b_s = tl.where(b_mask == float("-inf"), float("-inf"), b_s + b_add)
     return b_s
 
 
@@ -154,7 +156,7 @@ def _moda_fwd_seq_inner(
 
 @triton.jit
 def _moda_fwd_kernel(
-    q, k, v, dk, dv, mask, o, lse,
+    q, k, v, dk, dv, mask, lg, o, lse, renorm,
     s_qb, s_qh, s_qt, s_qd,
     s_kb, s_kh, s_ks, s_kd,
     s_vb, s_vh, s_vs, s_vd,
@@ -162,14 +164,16 @@ def _moda_fwd_kernel(
     s_dvb, s_dvh, s_dvt, s_dvm, s_dvd,
     s_mb, s_mh, s_mt, s_ms,
     Hkv, T, S, M, D, G, qk_scale,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_GATE: tl.constexpr,
     BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DM: tl.constexpr,
     BLOCK_D: tl.constexpr, DEPTH_DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: BLOCK_T query tokens x all G query heads of one (batch, KV head).
 
     Writes ``o`` [B, Hq, T, D] and ``lse`` [B, Hq, T] (both contiguous; lse fp32, log2 domain, +inf for a row
-    with no visible key).
+    with no visible key); with a mask also ``renorm`` [B, Hq, T]: ``1 / sum_j exp2(s_j - lse)`` on rows whose
+    ``|lse| >= 2**22`` (fp32 cannot hold their ``log2(l)``: mask-sized logits), else exactly 1. ``lg``: the depth
+    gate as ``log2 g`` [Hq] (``HAS_GATE``), added to the head's depth logits.
     """
     i_t, i_bh = _program_ids(tl.cdiv(T, BLOCK_T))
     i_b, i_hkv = (i_bh // Hkv).to(tl.int64), (i_bh % Hkv).to(tl.int64)
@@ -211,6 +215,7 @@ def _moda_fwd_kernel(
     p_dv = dv + i_b * s_dvb + i_hkv * s_dvh
     j_lo = t_first * M
     j_hi = (t_last + 1) * M
+    b_lg = tl.load(lg + o_h, mask=m_r, other=0.0) if HAS_GATE else tl.zeros([BLOCK_R], dtype=tl.float32)
     if DEPTH_DOT:
         # Tensor-core form (the paper's): [rows x chunk] logits with a block-diagonal token mask.
         for j_start in range(j_lo, j_hi, BLOCK_DM):
@@ -222,7 +227,7 @@ def _moda_fwd_kernel(
                             mask=m_d[:, None] & m_j[None, :], other=0.0)
             b_dv = tl.load(p_dv + o_jt[:, None] * s_dvt + o_jm[:, None] * s_dvm + o_d[None, :] * s_dvd,
                            mask=m_j[:, None] & m_d[None, :], other=0.0)
-            b_s = _dot(b_q, b_dkt, UPCAST) * qk_scale
+            b_s = _dot(b_q, b_dkt, UPCAST) * qk_scale + b_lg[:, None]
             b_s = tl.where((o_t[:, None] == o_jt[None, :]) & m_j[None, :], b_s, float("-inf"))
             b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
             b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
@@ -243,7 +248,7 @@ def _moda_fwd_kernel(
             b_dvr = tl.load(p_dv_r, mask=m_rd, other=0.0).to(tl.float32)
             p_dk_r += s_dkm
             p_dv_r += s_dvm
-            b_sm = tl.where(m_r, tl.sum(b_qf * b_dkr, 1) * qk_scale, float("-inf"))  # [BLOCK_R]
+            b_sm = tl.where(m_r, tl.sum(b_qf * b_dkr, 1) * qk_scale + b_lg, float("-inf"))  # [BLOCK_R]
             b_m_new = tl.maximum(b_m, b_sm)
             b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
             b_pm = tl.math.exp2(b_sm - b_m_safe)
@@ -258,6 +263,10 @@ def _moda_fwd_kernel(
     o_row = (i_b * Hq + o_h) * T + o_t  # contiguous [B, Hq, T] row index
     tl.store(o + o_row[:, None] * D + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     tl.store(lse + o_row, b_lse, mask=m_r)
+    if HAS_MASK:
+        b_unresolved = b_has & (tl.abs(b_lse) >= 4194304.0)
+        b_total = b_l * tl.math.exp2(b_m - tl.where(b_unresolved, b_lse, b_m))
+        tl.store(renorm + o_row, tl.where(b_unresolved, 1.0 / b_total, 1.0), mask=m_r)
 
 
 
@@ -291,7 +300,7 @@ def _moda_bwd_dq_seq_inner(
 
 @triton.jit
 def _moda_bwd_dq_depth_kernel(
-    q, k, v, dk, dv, mask, do, lse, delta, dq, ddk, ddv,
+    q, k, v, dk, dv, mask, lg, do, lse, delta, dq, ddk, ddv, dg,
     s_qb, s_qh, s_qt, s_qd,
     s_kb, s_kh, s_ks, s_kd,
     s_vb, s_vh, s_vs, s_vd,
@@ -300,11 +309,14 @@ def _moda_bwd_dq_depth_kernel(
     s_gkb, s_gkh, s_gkt, s_gkm, s_gkd,
     s_mb, s_mh, s_mt, s_ms,
     Hkv, T, S, M, D, G, scale, qk_scale,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_GATE: tl.constexpr,
     BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DM: tl.constexpr,
     BLOCK_D: tl.constexpr, DEPTH_DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """dQ (all G heads of a query block) and the block's depth dK / dV, recomputing P from ``lse``.
+    """dQ (all G heads of a query block) and the block's depth dK / dV, recomputing P from ``lse``; with the gate
+    (``lg`` = log2 g [Hq]) also each row's ``sum_m exp2(s_m - lse) (dP_m - D)`` into ``dg`` [B, Hq, T] (fp32, the
+    gate's gradient before the sum over batch and tokens; the ungated probability: finite at g = 0; 0 on rows whose
+    ``|lse| >= 2**22``, where it overflows).
 
     ``do``, ``dq`` are contiguous [B, Hq, T, D]; ``lse``, ``delta`` contiguous [B, Hq, T] fp32; ``ddk``, ``ddv``
     [B, Hkv, T, M, D] are written through the strides ``s_gk*`` (both have the same), like the depth entries
@@ -354,6 +366,9 @@ def _moda_bwd_dq_depth_kernel(
     p_ddv = ddv + i_b * s_gkb + i_hkv * s_gkh
     j_lo = t_first * M
     j_hi = (t_last + 1) * M
+    b_lg = tl.load(lg + o_h, mask=m_r, other=0.0) if HAS_GATE else tl.zeros([BLOCK_R], dtype=tl.float32)
+    b_dg = tl.zeros([BLOCK_R], dtype=tl.float32)
+    b_resolved = tl.abs(b_lse) < 4194304.0  # a mask-sized lse (padding rows): the ungated score overflows, no dg
     if DEPTH_DOT:
         for j_start in range(j_lo, j_hi, BLOCK_DM):
             o_j = j_start + tl.arange(0, BLOCK_DM)
@@ -367,9 +382,12 @@ def _moda_bwd_dq_depth_kernel(
                             mask=m_d[:, None] & m_j[None, :], other=0.0)
             b_s = _dot(b_q, b_dkt, UPCAST) * qk_scale
             b_s = tl.where((o_t[:, None] == o_jt[None, :]) & m_j[None, :], b_s, float("-inf"))
-            b_p = tl.math.exp2(b_s - b_lse[:, None])  # [BLOCK_R, BLOCK_DM]
+            b_p = tl.math.exp2(b_s + b_lg[:, None] - b_lse[:, None])  # [BLOCK_R, BLOCK_DM]
             b_dp = _dot(b_do, b_dvt, UPCAST)
             b_ds = b_p * (b_dp - b_delta[:, None])
+            if HAS_GATE:
+                b_pt = tl.where(b_resolved[:, None], tl.math.exp2(b_s - b_lse[:, None]), 0.0)
+                b_dg += tl.sum(b_pt * (b_dp - b_delta[:, None]), 1)
             b_dq += _dot(b_ds.to(b_dkt.dtype), tl.trans(b_dkt), UPCAST)
             b_ddv = _dot(tl.trans(b_p.to(b_do.dtype)), b_do, UPCAST)
             b_ddk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, UPCAST) * scale
@@ -392,8 +410,11 @@ def _moda_bwd_dq_depth_kernel(
             p_dk_r += s_dkm
             p_dv_r += s_dvm
             b_sm = tl.where(m_r, tl.sum(b_qf * b_dkr, 1) * qk_scale, float("-inf"))
-            b_pm = tl.math.exp2(b_sm - b_lse)  # [BLOCK_R]
-            b_dsm = b_pm * (tl.sum(b_dof * b_dvr, 1) - b_delta)
+            b_pm = tl.math.exp2(b_sm + b_lg - b_lse)  # [BLOCK_R]
+            b_dpm = tl.sum(b_dof * b_dvr, 1) - b_delta
+            b_dsm = b_pm * b_dpm
+            if HAS_GATE:
+                b_dg += tl.where(b_resolved, tl.math.exp2(b_sm - b_lse), 0.0) * b_dpm
             b_dq += b_dsm[:, None] * b_dkr
             b_ddv = tl.sum(tl.reshape(b_pm[:, None] * b_dof, [BLOCK_T, G_PAD, BLOCK_D]), 1)
             b_ddk = tl.sum(tl.reshape(b_dsm[:, None] * b_qf, [BLOCK_T, G_PAD, BLOCK_D]), 1) * scale
@@ -403,6 +424,8 @@ def _moda_bwd_dq_depth_kernel(
             p_gv += s_gkm
 
     tl.store(dq + o_row[:, None] * D + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_rd)
+    if HAS_GATE:
+        tl.store(dg + o_row, b_dg, mask=m_r)
 
 
 @triton.jit
@@ -548,13 +571,21 @@ def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def triton_moda_forward(q, k, v, depth_k, depth_v, attention_mask, scale, causal, *,
+def _log2_gate(gate: torch.Tensor | None) -> torch.Tensor | None:
+    """The depth gate [Hq] as the kernels read it: ``log2 g`` in fp32, contiguous (``-inf`` for a closed head)."""
+    return None if gate is None else torch.log2(gate.detach().to(torch.float32)).contiguous()
+
+
+def triton_moda_forward(q, k, v, depth_k, depth_v, attention_mask, scale, causal, gate=None, *,
                         block_t=None, block_s=None, depth_dot=None):
-    """The kernel forward without autograd: ``(out [B, Hq, T, d] in q's dtype, lse [B, Hq, T] fp32)``.
+    """The kernel forward without autograd: ``(out [B, Hq, T, d] in q's dtype, lse2 [B, Hq, T] fp32, renorm)``.
 
     Inputs as in the module docstring (not validated beyond dtypes: ``moda_attention`` validates them), T >= 1,
-    read through their strides; ``lse`` is the natural-log row log-sum-exp, ``+inf`` for rows with no visible
-    key. ``block_t``, ``block_s``, ``depth_dot`` override the tile rule (tests reach multi-block paths with them).
+    read through their strides, and ``gate`` [Hq] (>= 0, multiplies head h's depth scores) or None. ``lse2`` is the
+    row log-sum-exp in base 2 (the kernels' domain; natural: ``lse2 * ln 2``), ``+inf`` for rows with no visible
+    key; ``renorm`` [B, Hq, T] fp32 (a float mask only, else None): the factor of the incoming gradient on rows
+    whose lse fp32 cannot hold (1 elsewhere).
+    ``block_t``, ``block_s``, ``depth_dot`` override the tile rule (tests reach multi-block paths with them).
     """
     _check(q, (k, v, depth_k, depth_v))
     B, Hq, T, D = q.shape
@@ -565,24 +596,30 @@ def triton_moda_forward(q, k, v, depth_k, depth_v, attention_mask, scale, causal
     depth_k, depth_v = depth_k.transpose(1, 2), depth_v.transpose(1, 2)  # token-major -> the kernels' head-major
     o = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+    renorm = torch.empty_like(lse) if mask is not None else None
+    log2_gate = _log2_gate(gate)
     with _device_guard(q.device):
-        # With M = 0 the depth loop is empty: q stands in for the (zero-size) depth tensors, and for no mask.
+        # With M = 0 the depth loop is empty: q stands in for the (zero-size) depth tensors, and for no mask / gate.
         _moda_fwd_kernel[launch_grid(triton.cdiv(T, blocks["BLOCK_T"]), B * Hkv)](
-            q, k, v, depth_k if M else q, depth_v if M else q, mask if mask is not None else q, o, lse,
+            q, k, v, depth_k if M else q, depth_v if M else q, mask if mask is not None else q,
+            log2_gate if log2_gate is not None else q, o, lse, renorm if renorm is not None else lse,
             *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(), *_mask_strides(mask),
             Hkv, T, S, M, D, Hq // Hkv, float(scale) * _LOG2E,
-            CAUSAL=bool(causal), HAS_MASK=mask is not None,
+            CAUSAL=bool(causal), HAS_MASK=mask is not None, HAS_GATE=log2_gate is not None,
             UPCAST=ieee or _interpreting() and q.dtype == torch.bfloat16, num_warps=num_warps, **blocks,
         )
-    return o, lse.mul_(math.log(2.0))
+    if attention_mask is None or not attention_mask.is_floating_point():
+        renorm = None  # no row of a bool mask is unresolved (a hidden key is -inf): nothing to scale
+    return o, lse, renorm
 
 
-def triton_moda_backward(grad_out, q, k, v, depth_k, depth_v, attention_mask, out, lse, scale, causal,
+def triton_moda_backward(grad_out, q, k, v, depth_k, depth_v, attention_mask, out, lse2, scale, causal, gate=None,
                          *, block_t=None, block_s=None, depth_dot=None):
-    """The kernel backward: ``(dq, dk, dv, None, d_depth_k, d_depth_v)`` for ``grad_out`` [B, Hq, T, d].
+    """The kernel backward: ``(dq, dk, dv, None, d_depth_k, d_depth_v, d_gate)`` for ``grad_out`` [B, Hq, T, d].
 
-    ``out`` and ``lse`` come from :func:`triton_moda_forward` on the same inputs. The depth gradients are
-    token-major [B, T, Hkv, M, d] (contiguous), the others have their input's shape; all in q's dtype. No
+    ``out`` and ``lse2`` (base 2) come from :func:`triton_moda_forward` on the same inputs (``grad_out`` already
+    multiplied by its ``renorm``). The depth gradients are token-major [B, T, Hkv, M, d] (contiguous), the others
+    have their input's shape; all in q's dtype; ``d_gate`` [Hq] in the gate's dtype (None without a gate). No
     autograd graph is built. The fourth value (the mask's gradient) is always None: the kernels do not
     differentiate the mask.
     """
@@ -596,22 +633,26 @@ def triton_moda_backward(grad_out, q, k, v, depth_k, depth_v, attention_mask, ou
     depth_k, depth_v = depth_k.transpose(1, 2), depth_v.transpose(1, 2)
     do = grad_out.contiguous()
     delta = (do.float() * out.float()).sum(-1).contiguous()  # [B, Hq, T]
-    lse2 = (lse.float() * _LOG2E).contiguous()
+    lse2 = lse2.float().contiguous()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ddk = torch.empty((B, T, Hkv, M, D), dtype=q.dtype, device=q.device)
     ddv = torch.empty_like(ddk)
     dk, dv = torch.empty(k.shape, dtype=q.dtype, device=q.device), torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    log2_gate = _log2_gate(gate)
+    dg = torch.zeros((B, Hq, T), dtype=torch.float32, device=q.device) if gate is not None else None
     flags = dict(CAUSAL=bool(causal), HAS_MASK=mask is not None,
                  UPCAST=ieee or _interpreting() and q.dtype == torch.bfloat16)
     mask_arg = mask if mask is not None else q
     scale = float(scale)
     with _device_guard(q.device):
         _moda_bwd_dq_depth_kernel[launch_grid(triton.cdiv(T, blocks["BLOCK_T"]), B * Hkv)](
-            q, k, v, depth_k if M else q, depth_v if M else q, mask_arg, do, lse2, delta, dq,
-            ddk.transpose(1, 2) if M else dq, ddv.transpose(1, 2) if M else dq,
+            q, k, v, depth_k if M else q, depth_v if M else q, mask_arg, log2_gate if gate is not None else q, do,
+            lse2, delta, dq, ddk.transpose(1, 2) if M else dq, ddv.transpose(1, 2) if M else dq,
+            dg if gate is not None else delta,
             *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(),
             *ddk.transpose(1, 2).stride(), *_mask_strides(mask),
-            Hkv, T, S, M, D, G, scale, scale * _LOG2E, num_warps=num_warps, **flags, **blocks,
+            Hkv, T, S, M, D, G, scale, scale * _LOG2E, HAS_GATE=gate is not None, num_warps=num_warps, **flags,
+            **blocks,
         )
         kv_blocks = {key: blocks[key] for key in ("BLOCK_T", "G_PAD", "BLOCK_S", "BLOCK_D")}
         _moda_bwd_dkdv_kernel[launch_grid(triton.cdiv(S, blocks["BLOCK_S"]), B * Hkv)](
@@ -619,4 +660,4 @@ def triton_moda_backward(grad_out, q, k, v, depth_k, depth_v, attention_mask, ou
             *q.stride(), *k.stride(), *v.stride(), *_mask_strides(mask),
             Hkv, T, S, D, G, scale, scale * _LOG2E, num_warps=num_warps, **flags, **kv_blocks,
         )
-    return dq, dk, dv, None, ddk, ddv
+    return dq, dk, dv, None, ddk, ddv, None if gate is None else dg.sum(dim=(0, 2)).to(gate.dtype)

@@ -16,6 +16,7 @@ are per token: a cached forward builds them for its own tokens, and the ``Dynami
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -70,10 +71,35 @@ def depth_window(config: MoDAConfig, layer_idx: int) -> tuple[int, int]:
     return first * per_layer, layer_idx * per_layer
 
 
+def straight_through_clamp(gate: torch.Tensor) -> torch.Tensor:
+    """``max(gate, 0)`` with the gradient passed through unchanged (straight-through): a gate pushed below 0 stays
+    closed (0, exactly) and still receives the gradient the closed gate would get, so it can reopen."""
+    return gate + (gate.clamp_min(0) - gate).detach()
+
+
 class MoDAAttention(LlamaAttention):
-    """Llama attention whose softmax also covers the token's own depth entries (same parameters as Llama).
-    Returns ``(output [B, T, D], weights or None, (key, value))``: the joint softmax [B, Hq, T, S + M] (with
-    ``output_attentions``; with autograd) and this layer's post-RoPE K/V [B, Hkv, T, d], its depth entry."""
+    """Llama attention whose softmax also covers the token's own depth entries (same parameters as Llama; with
+    ``moda_depth_gate``, plus ``depth_gate`` [Hq] and the fixed buffer ``depth_gate_log_scale`` [Hq] on layers that
+    read depth entries: each head's depth scores are multiplied by ``max(depth_gate, 0) *
+    exp(depth_gate_log_scale)``; the log-scale is 0 unless ``llama_to_moda`` calibrated it). Returns ``(output
+    [B, T, D], weights or None, (key, value))``: the joint softmax [B, Hq, T, S + M] (with ``output_attentions``;
+    with autograd) and this layer's post-RoPE K/V [B, Hkv, T, d], its depth entry."""
+
+    def __init__(self, config: MoDAConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        # Differs from Llama: the learned depth gate (not in the paper), where the layer reads depth entries.
+        self.depth_gate = None
+        if config.moda_depth_gate and layer_idx > 0:
+            self.depth_gate = nn.Parameter(torch.full((config.num_attention_heads,), config.moda_depth_gate_init))
+            # a log, in fp32 arithmetic: calibrated scales reach 1e-11, below float16's range
+            self.register_buffer("depth_gate_log_scale", torch.zeros(config.num_attention_heads))
+
+    def effective_depth_gate(self) -> torch.Tensor | None:
+        """The factor of each head's depth scores, [Hq] fp32: ``max(depth_gate, 0) * exp(depth_gate_log_scale)``
+        (None: no gate)."""
+        if self.depth_gate is None:
+            return None
+        return straight_through_clamp(self.depth_gate.float()) * self.depth_gate_log_scale.float().exp()
 
     @accepts_cache
     def forward(
@@ -108,6 +134,7 @@ class MoDAAttention(LlamaAttention):
         attn_output = moda_attention(
             query_states, key_states, value_states, depth_keys, depth_values, attention_mask=attention_mask,
             scale=self.scaling, causal=True, backend=op_backend, return_weights=bool(kwargs.get("output_attentions")),
+            depth_gate=self.effective_depth_gate(),
         )  # (B, Hq, T, d), or with the weights (B, Hq, T, S + M)
         attn_output, attn_weights = attn_output if isinstance(attn_output, tuple) else (attn_output, None)
         attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
@@ -231,6 +258,13 @@ class MoDAPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
     def __init__(self, config: MoDAConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
         check_attn_implementation(self.config._attn_implementation)  # e.g. vLLM's, set before it builds the model
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, MoDAAttention) and module.depth_gate is not None:
+            # init.constant_ leaves a gate loaded from a checkpoint untouched.
+            init.constant_(module.depth_gate, self.config.moda_depth_gate_init)
+            init.zeros_(module.depth_gate_log_scale)
 
 
 class MoDAModel(MoDAPreTrainedModel):
