@@ -45,6 +45,7 @@ checks and then lose only the files their marker lists whose content is unchange
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -161,7 +162,7 @@ def _holds_cwd(path: Path) -> bool:
     return cwd == path or path in cwd.parents
 
 
-def inspect_target(folder: str | os.PathLike) -> TargetState:
+def inspect_target(folder: str | os.PathLike, ignore: str | None = None) -> TargetState:
     """Describe the target ``folder`` (see :class:`TargetState`) without changing anything.
 
     Every file its marker lists is hashed (read without following symlinks) to tell the package's own files
@@ -189,7 +190,7 @@ def inspect_target(folder: str | os.PathLike) -> TargetState:
     else:
         ours = frozenset()
     edited = tuple(name for name in present if name not in ours)
-    foreign = _foreign_entries(path, listed, marker is not None)
+    foreign = tuple(entry for entry in _foreign_entries(path, listed, marker is not None) if entry != f"{ignore}/")
     return TargetState(path, True, ours, foreign, _holds_cwd(path), edited, marker)
 
 
@@ -209,8 +210,15 @@ def check_target(folder: str | os.PathLike, overwrite: bool = False) -> TargetSt
         MarkerError: an untrusted marker (even with ``overwrite``).
     """
     state = inspect_target(folder)
-    if overwrite or not state.exists:
-        return state
+    if not overwrite:
+        _refuse_unless_free(state)
+    return state
+
+
+def _refuse_unless_free(state: TargetState) -> None:
+    """Raise :class:`ExportTargetError` when an export without ``overwrite`` may not write to ``state``'s target."""
+    if not state.exists:
+        return
     reasons = []
     if state.foreign:
         what = "holds entries this package did not write" if state.marker is not None else \
@@ -234,7 +242,6 @@ def check_target(folder: str | os.PathLike, overwrite: bool = False) -> TargetSt
             f"export target {state.path} is the current working directory (or contains it); nothing was written. "
             "Choose another folder or pass overwrite=True (--overwrite) to write the export into it in place."
         )
-    return state
 
 
 def _stale_sibling_problem(entry: Path, marker: Marker) -> str | None:
@@ -258,9 +265,8 @@ def clean_stale_staging(target: Path) -> list[Path]:
     """
     pattern = re.compile(rf"\.{re.escape(target.name)}\.(tmp|old)-(\d+)-[A-Za-z0-9_]+")
     removed: list[Path] = []
-    if not target.parent.is_dir():
-        return removed
-    for entry in sorted(target.parent.iterdir()):
+    places = [place for place in (target.parent, target) if place.is_dir() and not place.is_symlink()]
+    for entry in sorted(entry for place in places for entry in place.iterdir()):
         match = pattern.fullmatch(entry.name)
         if match is None:
             continue
@@ -315,10 +321,11 @@ def _remove_listed(folder: Path, marker: Marker) -> bool:
     return True
 
 
-def _new_staging(target: Path, pid: int | None = None) -> Path:
-    """A fresh staging folder ``.<target name>.tmp-<pid>-<random>`` beside ``target``, marked from its first moment."""
+def _new_staging(target: Path, pid: int | None = None, inside: bool = False) -> Path:
+    """A fresh staging folder ``.<target name>.tmp-<pid>-<random>`` beside ``target`` (in it when ``inside``),
+    marked from its first moment."""
     pid = os.getpid() if pid is None else pid
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{pid}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{pid}-", dir=target if inside else target.parent))
     try:
         write_marker(staging, {})
     except BaseException:
@@ -370,14 +377,28 @@ def write_folder(
         OSError: the disk filled up (``ENOSPC`` / ``EDQUOT`` / ``EFBIG``) while the export was staged: the message
             says so and that the target was not changed.
     """
+    clean_stale_staging(Path(folder).resolve())
     state = check_target(folder, overwrite=overwrite)
     target = state.path
+    inside = state.exists and os.path.ismount(target)
+    try:
+        return _write(target, write, overwrite, check, inside)
+    except OSError as error:
+        if inside or error.errno not in (errno.EXDEV, errno.EBUSY):
+            raise
+        # a bind mount (a Docker volume on the same disk): no rename crosses it, whatever the device numbers say
+        return _write(target, write, overwrite, check, inside=True)
+
+
+def _write(target: Path, write: Callable[[Path], None], overwrite: bool, check: Callable[[Path], list[str]] | None,
+           inside: bool) -> Path:
+    """:func:`write_folder`'s work; ``inside``: stage in the target and update it in place (a mount point cannot
+    be renamed, and no file can be renamed onto it from outside)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_staging(target)
     staging: Path | None = None
     staged = False
     try:
-        staging = _new_staging(target)
+        staging = _new_staging(target, inside=inside)
         write(staging)
         written = _staged_files(staging)
         write_marker(staging, written)
@@ -387,14 +408,15 @@ def write_folder(
             if problems:
                 raise ValueError(f"the export of {target.name} is incomplete: " + "; ".join(problems))
         staged = True
-        state = inspect_target(target)  # again: the target may have changed while the export was written
-        if state.exists and (state.foreign or state.edited or state.holds_cwd):
+        # again: the target may have changed while the export was written
+        state = inspect_target(target, ignore=staging.name if inside else None)
+        if inside or (state.exists and (state.foreign or state.edited or state.holds_cwd)):
             if not overwrite:
-                check_target(target)  # raises with the current foreign or changed entries
+                _refuse_unless_free(state)  # the current foreign or changed entries
             replaced = _update_in_place(staging, target, written, state)
             if replaced:
                 warnings.warn(f"overwrite=True replaced files in {target} that an earlier export wrote and that were "
-                              f"changed since: {', '.join(replaced)}", ReplacedEditedFilesWarning, stacklevel=2)
+                              f"changed since: {', '.join(replaced)}", ReplacedEditedFilesWarning, stacklevel=3)
         else:
             _swap_in(staging, target, state)
     except OSError as error:
@@ -474,7 +496,10 @@ def _update_in_place(staging: Path, target: Path, written: dict[str, str], state
         destination.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / relative, destination)
     for relative in sorted(state.ours - set(written)):  # files of the previous export that this one does not write
-        remove_if_unchanged(target, relative, old[relative])
+        if remove_if_unchanged(target, relative, old[relative]):
+            for parent in list(Path(relative).parents)[:-1]:  # the folders it leaves empty
+                with contextlib.suppress(OSError):
+                    os.rmdir(target / parent)
     write_marker(target, written, scratch=staging)
     shutil.rmtree(staging)
     return sorted(name for name in written if name in state.edited)
