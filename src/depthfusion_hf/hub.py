@@ -17,10 +17,10 @@ from typing import Any
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 from .data.textfile import read_json_file
-from .export_marker import MARKER, load_marker
 from .families import FAMILIES, get_family
 from .model_card import build_model_card, clm_results
 from .remote_code import check_export_folder, save_remote_code_folder
+from .safe_folder import MARKER, load_marker
 
 _REPO_ID = re.compile(r"[\w.\-]+/[\w.\-]+")
 MARKER_PATTERNS = [MARKER, f"*/{MARKER}"]  # the marker at the top and in any sub-folder (`*` crosses '/')
@@ -122,7 +122,7 @@ def push_folder_to_hub(
 
     The export marker (``.depthfusion-export.json``, local bookkeeping, at any depth) is never uploaded. The
     folder is checked before any Hub call: it must pass :func:`check_export_folder`, its marker (if any) must be
-    trustworthy (the rules of :mod:`depthfusion_hf.export_marker`), and it may hold no symlink leading out of it
+    trustworthy (the rules of :mod:`depthfusion_hf.safe_folder`), and it may hold no symlink leading out of it
     and no pipe, socket or device (:func:`upload_problems`).
 
     Args:

@@ -2,7 +2,7 @@
 conversions, records, config fields and train_clm values, run against one checkout (not a pytest file: it is
 run by hand against a before and an after checkout, and prints one line per case):
 
-    PYTHONPATH=<root>/src python tests/training/probe_issue19.py <root> <out.json> [group,group,...]
+    PYTHONPATH=<root>/src python scripts/probes/probe_issue19.py <root> <out.json> [group,group,...]
 
 e.g. ``<root>`` = ``/work/before`` (the session's starting code) or the repository root. Each case's outcome: ok
 (the right result, or an error naming what is wrong), silent (a wrong result without an error, or an impossible

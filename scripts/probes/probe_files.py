@@ -6,12 +6,12 @@ Each case returns "ok", or one of: "silent" (a wrong result or a bad input accep
 (a file the package did not write, or one the user edited, was deleted or changed; or a path outside the
 target was touched), "crash" (an internal exception type: KeyError, TypeError, IndexError, JSONDecodeError
 without the file, ...), "unclear" (the right kind of error but a message that does not name what it must),
-"hang" (a case still running after 180 s). Not collected by pytest (no ``test_`` prefix): the cases that
+"hang" (a case still running after 180 s). Kept out of the test suite (a gate run by hand; docs/RELIABILITY.md has the counts): the cases that
 found bugs are tests in ``tests/export/test_export_*.py`` and ``tests/dwatt/test_data_*.py``.
 
-    .venv/bin/python tests/export/probe_files.py > after.jsonl                     # this checkout
-    PYTHONPATH=/work/before/src .venv/bin/python tests/export/probe_files.py > before.jsonl   # another one
-    .venv/bin/python tests/export/probe_files.py "edited files"                    # one area (substring)
+    .venv/bin/python scripts/probes/probe_files.py > after.jsonl                   # this checkout
+    PYTHONPATH=/work/before/src .venv/bin/python scripts/probes/probe_files.py > before.jsonl   # another one
+    .venv/bin/python scripts/probes/probe_files.py "edited files"                  # one area (substring)
 
 The "loss" oracle is strict: a case that only replaced an entry without losing content (a FIFO or a symlink
 at a listed name, an unchanged file made unreadable) also reads "loss"; docs/RELIABILITY.md counts those 5 cases
