@@ -6,8 +6,8 @@ Each case returns "ok", or one of: "silent" (a wrong result or a bad input accep
 (a file the package did not write, or one the user edited, was deleted or changed; or a path outside the
 target was touched), "crash" (an internal exception type: KeyError, TypeError, IndexError, JSONDecodeError
 without the file, ...), "unclear" (the right kind of error but a message that does not name what it must),
-"hang" (a case still running after 180 s). Kept out of the test suite (a gate run by hand; docs/RELIABILITY.md has the counts): the cases that
-found bugs are tests in ``tests/export/test_export_*.py`` and ``tests/dwatt/test_data_*.py``.
+"hang" (a case still running after 180 s). A gate run by hand, not a test (docs/RELIABILITY.md has the counts):
+the cases that found bugs are tests in ``tests/export/test_export_*.py`` and ``tests/dwatt/test_data_*.py``.
 
     .venv/bin/python scripts/probes/probe_files.py > after.jsonl                   # this checkout
     PYTHONPATH=/work/before/src .venv/bin/python scripts/probes/probe_files.py > before.jsonl   # another one
@@ -47,6 +47,9 @@ from depthfusion_hf import remote_code as RC  # noqa: E402
 from depthfusion_hf import safe_folder as SF  # noqa: E402
 from depthfusion_hf.data import corpus  # noqa: E402
 from depthfusion_hf.recipes import ner as NER  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/
+import push_to_hub as PUSH  # noqa: E402
 
 MARKER = SF.MARKER
 ROOT = Path(tempfile.mkdtemp(prefix="d1probe_"))
@@ -833,20 +836,20 @@ for repo in ("me/..", "me/.x", "me/a--b", "me/a..b", "me/-x", "me/x-"):
 @case("export: uploads", "load_export_model with a broken config JSON")
 def _():
     path = write(fresh("cfg") / "c.json", '{"model_type": "moda",')
-    return expect_error(lambda: HUB.load_export_model(config_path=path), "c.json")
+    return expect_error(lambda: PUSH.load_export_model(config_path=path), "c.json")
 
 
 @case("export: uploads", "load_export_model with a config folder")
 def _():
     path = fresh("cfg") / "c.json"
     path.mkdir()
-    return expect_error(lambda: HUB.load_export_model(config_path=path), "c.json")
+    return expect_error(lambda: PUSH.load_export_model(config_path=path), "c.json")
 
 
 @case("export: uploads", "load_card_results with broken JSON")
 def _():
     path = write(fresh("cfg") / "results.json", "{")
-    return expect_error(lambda: HUB.load_card_results(path, "denseformer"), "results.json")
+    return expect_error(lambda: PUSH.load_card_results(path, "denseformer"), "results.json")
 
 
 # ============================================================ data: text documents
