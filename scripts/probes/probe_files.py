@@ -711,6 +711,76 @@ case("export: permissions", "a previous export in a read-only parent")(
     lambda: perm_case(_readonly_parent_with_export, False, ["Permission denied"]))
 
 
+# ============================================================ exports: mount points (issue 27)
+
+@contextlib.contextmanager
+def mounted(target: Path, bind: bool = False):
+    """``target`` behaves as a mount point: a rename between inside and outside raises EXDEV (and renaming it
+    does); ``os.path.ismount`` says so unless ``bind`` (a bind mount of the same file system)."""
+    real_replace, real_rename, real_ismount = os.replace, os.rename, os.path.ismount
+
+    def inside(path) -> bool:
+        path = Path(os.path.abspath(path))
+        return path == target or target in path.parents
+
+    def crossing(rename):
+        def guarded_rename(src, dst, *args, **kwargs):
+            if inside(src) != inside(dst) or Path(os.path.abspath(src)) == target:
+                raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
+            return rename(src, dst, *args, **kwargs)
+        return guarded_rename
+
+    os.replace, os.rename = crossing(real_replace), crossing(real_rename)
+    os.path.ismount = lambda path: (not bind and Path(os.path.abspath(path)) == target) or real_ismount(path)
+    try:
+        yield
+    finally:
+        os.replace, os.rename, os.path.ismount = real_replace, real_rename, real_ismount
+
+
+for bind in (False, True):
+    @case("export: mount points", f"overwrite into a volume with lost+found and notes (bind mount={bind})")
+    def _(bind=bind):
+        root = fresh("mnt")
+        target = root / "volume"
+        write(target / "lost+found" / "x", "the system's")
+        write(target / "notes.txt", "the user's")
+        with mounted(target, bind):
+            verdict = guarded(root, lambda: SF.write_folder(target, writer({"a.txt": "1"}), overwrite=True),
+                              ["volume/lost+found", "volume/notes.txt"], "succeed")
+            if verdict == "ok" and (target / "a.txt").read_text() != "1":
+                verdict = ("silent", "the export is not in the volume")
+        return verdict
+
+    @case("export: mount points", f"an empty volume, then a second export replaces the first (bind mount={bind})")
+    def _(bind=bind):
+        root = fresh("mnt")
+        target = root / "volume"
+        target.mkdir()
+        with mounted(target, bind):
+            first = guarded(root, lambda: SF.write_folder(target, writer({"a.txt": "1", "b.txt": "1"})), [],
+                            "succeed")
+            if first != "ok":
+                return first
+            second = guarded(root, lambda: SF.write_folder(target, writer({"a.txt": "2"})), [], "succeed")
+        names = sorted(p.name for p in target.iterdir())
+        if second == "ok" and names != [MARKER, "a.txt"]:
+            return ("silent", f"the volume holds {names}")
+        return second
+
+
+@case("export: mount points", "an edited file in a volume is refused by name and kept")
+def _():
+    root = fresh("mnt")
+    target = root / "volume"
+    target.mkdir()
+    with mounted(target):
+        SF.write_folder(target, writer({"README.md": "card"}))
+        write(target / "README.md", "my card")
+        return guarded(root, lambda: SF.write_folder(target, writer({"README.md": "new"})), ["volume/README.md"],
+                       "refuse", ["README.md", "changed since"])
+
+
 # ============================================================ exports: check_export_folder and uploads
 
 def exported_copy() -> Path:
