@@ -212,20 +212,13 @@ def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, mode
         problems.append("model.safetensors is missing")
     pickles = sorted(folder.glob("pytorch_model*.bin"))
     problems += [f"{path.name}: pickle weights; export safetensors only" for path in pickles]
-    if family.is_causal_lm:
-        generation = folder / "generation_config.json"
-        if not generation.is_file():
-            problems.append("generation_config.json is missing (a causal LM)")
-        else:
-            problems += [problem for problem in [_read_json(generation)[1]] if problem is not None]
-    if tokenizer:
-        tokenizer_config = folder / "tokenizer_config.json"
-        if not tokenizer_config.is_file():
-            problems.append("tokenizer_config.json is missing")
-        else:
-            problems += [problem for problem in [_read_json(tokenizer_config)[1]] if problem is not None]
-        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-            problems.append(f"no tokenizer vocabulary (one of {TOKENIZER_FILES})")
+    needed = {"generation_config.json": " (a causal LM)"} if family.is_causal_lm else {}
+    needed |= {"tokenizer_config.json": ""} if tokenizer else {}
+    for name, why in needed.items():
+        problem = _read_json(folder / name)[1] if os.path.lexists(folder / name) else f"{name} is missing{why}"
+        problems += [problem] if problem is not None else []
+    if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(f"no tokenizer vocabulary (one of {TOKENIZER_FILES})")
     if model_card:
         readme = folder / "README.md"
         try:
@@ -240,11 +233,5 @@ def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, mode
     return problems
 
 
-__all__ = [
-    "TOKENIZER_FILES",
-    "add_base_model_entry",
-    "check_export_folder",
-    "register_for_remote_code",
-    "save_model_folder",
-    "save_remote_code_folder",
-]
+__all__ = ["TOKENIZER_FILES", "add_base_model_entry", "check_export_folder", "register_for_remote_code",
+           "save_model_folder", "save_remote_code_folder"]

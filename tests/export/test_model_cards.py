@@ -9,10 +9,12 @@ import subprocess
 import sys
 import textwrap
 
+import jinja2
 import pytest
 from huggingface_hub import ModelCard, metadata_load
 
 from depthfusion_hf.export import build_model_card, default_model_cards_dir
+from depthfusion_hf.families import FAMILIES as REGISTRY
 from depthfusion_hf.families import get_family
 
 FAMILIES = ("denseformer", "moda", "dwatt")
@@ -39,6 +41,15 @@ def test_template_has_valid_hub_metadata_citation_and_limitations(family):
     blocks = PYTHON_BLOCK.findall(text)
     assert len(blocks) >= 3 and all("{{ repo_id }}" in block for block in blocks)
     assert any("trust_remote_code=True" in b for b in blocks) and any("import depthfusion_hf" in b for b in blocks)
+
+
+@pytest.mark.parametrize("family", sorted(REGISTRY))
+def test_every_registered_template_is_jinja_with_hub_metadata(family):
+    """Every family's template parses as Jinja (BibTeX's ``{{Team}}`` would not) and as Hub metadata."""
+    path = default_model_cards_dir() / get_family(family).card_template
+    jinja2.Environment().parse(path.read_text(encoding="utf-8"))
+    meta = metadata_load(path)
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == get_family(family).pipeline_tag
 
 
 def test_a_template_placeholder_without_a_value_is_refused_naming_it(exported, tmp_path):
