@@ -23,16 +23,79 @@ import os
 import sys
 from pathlib import Path
 
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+
 import depthfusion_hf  # noqa: F401  (registers the model types with the Auto classes)
-from depthfusion_hf.hub import (
-    export_model,
-    load_card_results,
-    load_export_model,
-    load_export_tokenizer,
-    push_folder_to_hub,
-    validate_repo_id,
-)
+from depthfusion_hf.data.textfile import read_json_file
+from depthfusion_hf.families import FAMILIES, get_family
+from depthfusion_hf.hub import export_model, push_folder_to_hub, validate_repo_id
+from depthfusion_hf.model_card import clm_results
 from depthfusion_hf.safe_folder import MARKER, ExportTargetError
+
+
+def load_export_model(model_folder: str | os.PathLike | None = None,
+                      config_path: str | os.PathLike | None = None) -> PreTrainedModel:
+    """The model to export: loaded from a saved folder, or built with random weights from a config JSON that
+    names its ``model_type`` (``configs/*.json``; keys starting with ``_`` are comments).
+
+    Raises:
+        ValueError: if not exactly one source is given, the config file is not a JSON object (naming the file, and
+            the line of a JSON error), or the model type is not a registered family.
+        FileNotFoundError / IsADirectoryError: the config path is missing or a folder.
+    """
+    if (model_folder is None) == (config_path is None):
+        raise ValueError("give either a model folder or a config file")
+    if model_folder is not None:
+        config = AutoConfig.from_pretrained(model_folder)
+    else:
+        fields = read_json_file(config_path)
+        if not isinstance(fields, dict):
+            raise ValueError(f"{config_path}: a model config must be a JSON object; got {type(fields).__name__}")
+        fields = {k: v for k, v in fields.items() if not k.startswith("_") and k != "architectures"}
+        model_type = fields.pop("model_type", None)
+        if model_type not in FAMILIES:
+            raise ValueError(f"{config_path}: model_type must be one of {sorted(FAMILIES)}; got {model_type!r}")
+        config = AutoConfig.for_model(model_type, **fields)
+    auto_class = get_family(config.model_type).task_auto_class
+    if model_folder is not None:
+        return auto_class.from_pretrained(model_folder)
+    return auto_class.from_config(config)
+
+
+def load_export_tokenizer(tokenizer: str | None, model_folder: str | os.PathLike | None):
+    """``tokenizer`` (a folder / Hub id), else the model folder's tokenizer if it has one, else ``None``."""
+    source = tokenizer
+    if source is None and model_folder is not None and (Path(model_folder) / "tokenizer_config.json").is_file():
+        source = model_folder
+    return AutoTokenizer.from_pretrained(source) if source is not None else None
+
+
+def load_card_results(results: str | os.PathLike | None, model_type: str,
+                      model_folder: str | os.PathLike | None = None) -> list[dict] | None:
+    """Metric entries for a card: from a ``train_clm.py`` ``results.json`` or a JSON list of entries.
+
+    Args:
+        results: the file; ``None`` looks for ``<model_folder>/../../results.json`` (``train_clm.py`` writes
+            ``<out>/<model>/final`` and ``<out>/results.json``) and returns ``None`` when there is none.
+        model_type: the family whose run to take from a ``results.json``.
+        model_folder: the exported model's folder (for the lookup above).
+    Raises:
+        ValueError: if the file is not JSON (naming the line) or neither form.
+        FileNotFoundError / IsADirectoryError: the file is missing or a folder.
+    """
+    path = Path(results) if results is not None else None
+    if path is None:
+        if model_folder is None:
+            return None
+        path = Path(model_folder).resolve().parent.parent / "results.json"
+        if not path.is_file():
+            return None
+    data = read_json_file(path)
+    if isinstance(data, dict) and "runs" in data:
+        return clm_results(data, model_type)
+    if isinstance(data, list):
+        return data
+    raise ValueError(f"{path}: expected a train_clm results.json or a JSON list of metric entries")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,27 +1,17 @@
-"""The export marker: what a folder written by :mod:`depthfusion_hf.safe_folder` holds, and how it is trusted.
-
-Every folder the package writes holds :data:`MARKER`, a JSON file listing the files the package wrote with
-their SHA-256 content hashes and the identity (device, inode) of the folder it was written in::
+"""The export marker: the list of files a folder written by :mod:`depthfusion_hf.safe_folder` holds, how it is
+trusted, and the file access that never follows a symlink.
 
     {"written_by": "depthfusion-hf", "version": "0.1.0", "format": 2, "folder": [2049, 1234567],
      "files": ["config.json", ...], "sha256": {"config.json": "9f86d0...", ...}}
 
 A marker is **untrusted input** (a folder may come from a tarball, a shared drive, a copy): :func:`load_marker`
-refuses, with :class:`MarkerError` naming the marker and the entry, a marker that says it was written by
-this package but lists anything other than plain relative names inside the folder (absolute paths, ``..``,
-``.``, empty components, backslashes, control characters, the marker itself, duplicates), or whose hashes
-or folder identity are malformed. Files are only ever read, hashed and deleted through
-:func:`file_sha256` / :func:`remove_if_unchanged`, which open every path component with ``O_NOFOLLOW``:
-a symlink anywhere on the way (a listed ``sub/a.txt`` whose ``sub`` now links elsewhere) makes the file
-"not the package's", so nothing outside the folder is ever read for a decision or deleted.
-
-A marker of format 1 (before content hashes; no ``format`` key) is still read; its files cannot be told
-from edited ones, so :mod:`~depthfusion_hf.safe_folder` treats every one of them as possibly edited.
+refuses, naming the marker and the entry, one that lists anything but plain relative names inside the folder or
+has malformed hashes or folder identity. Files are read, hashed and deleted only through components opened with
+``O_NOFOLLOW``, so a symlink anywhere on the way makes a file "not the package's".
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -34,8 +24,7 @@ from pathlib import Path
 MARKER = ".depthfusion-export.json"
 WRITER = "depthfusion-hf"
 FORMAT = 2
-_HASH = re.compile(r"[0-9a-f]{64}")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_NO_FOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO never blocks
 
 
 class ExportTargetError(FileExistsError):
@@ -48,223 +37,178 @@ class MarkerError(ExportTargetError):
 
 @dataclass(frozen=True)
 class Marker:
-    """A marker read by :func:`load_marker`.
-
-    Attributes:
-        files: the relative POSIX paths the package wrote (validated: plain names inside the folder).
-        sha256: for each file, the content hashes it may have (one, or two while an in-place update runs);
-            ``None`` for a format-1 marker, which recorded none.
-        folder: ``(st_dev, st_ino)`` of the folder the marker was written in (``None`` for format 1).
-    """
+    """A validated marker: the files the package wrote, their possible hashes (one, or the old and the new one
+    during an in-place update) and the ``(st_dev, st_ino)`` of the folder it was written in."""
 
     files: tuple[str, ...]
-    sha256: dict[str, frozenset[str]] | None
-    folder: tuple[int, int] | None
-
-    @property
-    def legacy(self) -> bool:
-        """Written before content hashes were recorded (format 1)."""
-        return self.sha256 is None
+    sha256: dict[str, frozenset[str]]
+    folder: tuple[int, int]
 
 
-def entry_problem(name: object) -> str | None:
+def _entry_problem(name: object) -> str | None:
     """Why ``name`` cannot be a marker entry (``None`` when it is a plain relative path inside the folder)."""
     if not isinstance(name, str):
         return f"is a {type(name).__name__}, not a file name"
-    if not name:
-        return "is empty"
-    if _CONTROL.search(name):
-        return "holds a control character"
-    if "\\" in name:
-        return "holds a backslash (entries use '/' between folders)"
-    if name.startswith("/") or re.match(r"[A-Za-z]:", name):
-        return "is an absolute path"
+    if not name or re.search(r"[\x00-\x1f\x7f\\]", name) or re.match(r"/|[A-Za-z]:", name):
+        return "is empty, absolute, or holds a backslash or a control character"
     parts = name.split("/")
     if any(part in ("", ".", "..") for part in parts):
         return "has an empty, '.' or '..' component (it must name a file inside the folder)"
-    if parts[-1] == MARKER:
-        return "names the marker itself"
-    return None
+    return "names the marker itself" if parts[-1] == MARKER else None
 
 
-def _problem(path: Path, what: str) -> MarkerError:
+def _open_no_follow(folder: Path, relative: str) -> tuple[int, int] | None:
+    """``(parent fd, file fd)`` of the regular file ``relative`` in ``folder``, every component opened without
+    following a symlink; ``None`` when one is missing, a link, not a folder, or the file is no regular file."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    *folders, name = relative.split("/")
+    try:
+        parent = os.open(folder, flags)
+    except OSError:
+        return None
+    try:
+        for part in folders:
+            child = os.open(part, flags, dir_fd=parent)
+            os.close(parent)
+            parent = child
+        fd = os.open(name, _NO_FOLLOW, dir_fd=parent)
+    except OSError:
+        os.close(parent)
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        os.close(parent)
+        return None
+    return parent, fd
+
+
+def file_sha256(folder: Path, relative: str) -> str | None:
+    """The SHA-256 of the regular file ``relative`` in ``folder``; ``None`` when it is missing, a link or behind
+    one, not a regular file, or unreadable."""
+    opened = _open_no_follow(folder, relative)
+    if opened is None:
+        return None
+    os.close(opened[0])
+    with os.fdopen(opened[1], "rb") as handle:
+        try:
+            return hashlib.file_digest(handle, "sha256").hexdigest()
+        except OSError:
+            return None
+
+
+def remove_if_unchanged(folder: Path, relative: str, hashes: frozenset[str]) -> bool:
+    """Delete ``relative`` in ``folder`` when it is a regular file, reached without a symlink, whose content has
+    one of ``hashes``; True when it was deleted."""
+    opened = _open_no_follow(folder, relative)
+    if opened is None:
+        return False
+    parent, fd = opened
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            if hashlib.file_digest(handle, "sha256").hexdigest() not in hashes:
+                return False
+        os.unlink(relative.rsplit("/", 1)[-1], dir_fd=parent)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(parent)
+
+
+def _invalid(path: Path, what: str) -> MarkerError:
     return MarkerError(f"{path} is not a valid export marker: {what}. It was not trusted: nothing was deleted "
                        "or written. Remove or repair it (it lists the files an earlier export wrote).")
 
 
 def load_marker(folder: Path) -> Marker | None:
-    """The marker of ``folder``, validated; ``None`` when there is none or it is not this package's.
-
-    ``None`` means: no regular file named :data:`MARKER` (a symlink of that name is not followed), or one that
-    is not JSON or not marked ``"written_by": "depthfusion-hf"`` (a foreign file that has the name).
+    """The validated marker of ``folder``; ``None`` when there is no regular file of that name (a link is not
+    followed) or it is not this package's JSON of this format (a foreign file with the name, or a development
+    version's marker without hashes: treated as foreign, so nothing it lists is ever deleted).
 
     Raises:
-        MarkerError: a marker that claims to be this package's but lists an entry that is not a plain relative
-            name inside the folder, or has malformed hashes, folder identity or format; the message names the
-            marker and the entry.
+        MarkerError: a marker of this package that lists anything but plain relative names inside the folder,
+            or has malformed hashes, folder identity or format; the message names the marker and the entry.
     """
     path = folder / MARKER
-    try:
-        text = _read_no_follow(path)
-    except (OSError, UnicodeDecodeError):  # none, a link, a pipe, or bytes that are no UTF-8: not this package's
+    opened = _open_no_follow(folder, MARKER)
+    if opened is None:
         return None
+    os.close(opened[0])
     try:
-        data = json.loads(text)
-    except ValueError:
+        with os.fdopen(opened[1], "rb") as handle:
+            data = json.loads(handle.read(16 << 20).decode("utf-8"))
+    except (OSError, ValueError):  # unreadable, no UTF-8 (UnicodeDecodeError is a ValueError) or no JSON
         return None
     if not isinstance(data, dict) or data.get("written_by") != WRITER:
         return None
-    version = data.get("format", 1)
-    if version not in (1, FORMAT):
+    version, files = data.get("format"), data.get("files")
+    if version not in (None, FORMAT):
         raise MarkerError(f"{path} has marker format {version!r}, written by a newer depthfusion-hf than this one "
                           f"(format {FORMAT}); nothing was deleted or written. Upgrade the package.")
-    files = data.get("files")
     if not isinstance(files, list):
-        raise _problem(path, f"'files' must be a list of file names; got {type(files).__name__}")
+        raise _invalid(path, f"'files' must be a list of file names; got {type(files).__name__}")
     for entry in files:
-        problem = entry_problem(entry)
-        if problem is not None:
-            raise _problem(path, f"entry {entry!r} {problem}")
+        if _entry_problem(entry) is not None:
+            raise _invalid(path, f"entry {entry!r} {_entry_problem(entry)}")
     if len(set(files)) != len(files):
-        raise _problem(path, "an entry is listed twice")
-    if version == 1:
-        return Marker(tuple(files), None, None)
-    hashes = data.get("sha256")
+        raise _invalid(path, "an entry is listed twice")
+    if version is None:  # format 1, before content hashes: it cannot tell the package's files from edited ones
+        return None
+    hashes, identity = data.get("sha256"), data.get("folder")
     if not isinstance(hashes, dict) or set(hashes) != set(files):
-        raise _problem(path, "'sha256' must map every listed file, and only those, to its content hash")
-    sha256 = {}
-    for name, value in hashes.items():
-        values = value if isinstance(value, list) else [value]
-        if not values or not all(isinstance(v, str) and _HASH.fullmatch(v) for v in values):
-            raise _problem(path, f"the hash of entry {name!r} is not a SHA-256 hex digest: {value!r:.80}")
+        raise _invalid(path, "'sha256' must map every listed file, and only those, to its content hash")
+    sha256 = {name: value if isinstance(value, list) else [value] for name, value in hashes.items()}
+    for name, values in sha256.items():
+        if not values or not all(isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) for v in values):
+            raise _invalid(path, f"the hash of entry {name!r} is not a SHA-256 hex digest: {hashes[name]!r:.80}")
         sha256[name] = frozenset(values)
-    identity = data.get("folder")
     if not (isinstance(identity, list) and len(identity) == 2 and all(type(i) is int for i in identity)):
-        raise _problem(path, f"'folder' must be [device, inode]; got {identity!r:.80}")
+        raise _invalid(path, f"'folder' must be [device, inode]; got {identity!r:.80}")
     return Marker(tuple(files), sha256, (identity[0], identity[1]))
 
 
+def read_marker(folder: str | os.PathLike) -> dict | None:
+    """``{"format", "files", "sha256"}`` of ``folder``'s marker when it is this package's, else ``None``.
+
+    Raises:
+        MarkerError: a marker of this package that cannot be trusted (see :func:`load_marker`).
+    """
+    marker = load_marker(Path(folder))
+    if marker is None:
+        return None
+    return {"format": FORMAT, "files": list(marker.files),
+            "sha256": {name: sorted(v) for name, v in marker.sha256.items()}}
+
+
 def folder_identity(folder: Path) -> tuple[int, int]:
-    """``(st_dev, st_ino)`` of ``folder`` itself (a symlink is not followed)."""
     info = os.lstat(folder)
     return info.st_dev, info.st_ino
 
 
-def write_marker(folder: Path, sha256: dict[str, frozenset[str] | str], scratch: Path | None = None) -> None:
-    """Write ``folder``'s marker atomically (through a temporary file in ``scratch`` or ``folder``).
-
-    Args:
-        folder: the folder the marker describes.
-        sha256: every file the package wrote there -> its hash (or the set of hashes it may have).
-        scratch: where to create the temporary file (same file system as ``folder``).
-    """
-    from . import __version__
-
-    files = sorted(sha256)
-    for name in files:
-        problem = entry_problem(name)
-        if problem is not None:  # the package never writes a marker it would refuse to read
-            raise ValueError(f"the export would list {name!r}, which {problem}")
-    hashes = {name: sorted(v) if isinstance(v, frozenset | set) else v for name, v in sorted(sha256.items())}
-    hashes = {name: v[0] if isinstance(v, list) and len(v) == 1 else v for name, v in hashes.items()}
-    data = {"written_by": WRITER, "version": __version__, "format": FORMAT, "folder": list(folder_identity(folder)),
-            "files": files, "sha256": hashes}
-    handle, temp = tempfile.mkstemp(prefix=".marker-", dir=scratch or folder)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(json.dumps(data, indent=1) + "\n")
-        os.chmod(temp, 0o666 & ~_umask())
-        os.replace(temp, folder / MARKER)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
+def umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-def _open_parent(folder: Path, relative: str) -> tuple[int, str] | None:
-    """An fd of the folder holding ``relative`` inside ``folder`` and the last component, every component opened
-    with ``O_NOFOLLOW``; ``None`` when a component is missing, a symlink or not a folder."""
-    parts = relative.split("/")
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+def write_marker(folder: Path, sha256: dict[str, frozenset[str] | str], scratch: Path | None = None) -> None:
+    """Write ``folder``'s marker (every file -> its hash or possible hashes) atomically, through a temporary file
+    in ``scratch`` (same file system) or ``folder``."""
+    from . import __version__
+
+    for name in sha256:
+        if _entry_problem(name) is not None:  # the package never writes a marker it would refuse to read
+            raise ValueError(f"the export would list {name!r}, which {_entry_problem(name)}")
+    hashes = {name: sorted(v) if isinstance(v, frozenset) else v for name, v in sorted(sha256.items())}
+    data = {"written_by": WRITER, "version": __version__, "format": FORMAT, "folder": list(folder_identity(folder)),
+            "files": sorted(sha256), "sha256": {name: v[0] if len(v) == 1 and isinstance(v, list) else v
+                                                for name, v in hashes.items()}}
+    handle, temp = tempfile.mkstemp(prefix=".marker-", dir=scratch or folder)
     try:
-        fd = os.open(folder, flags)
-    except OSError:
-        return None
-    for part in parts[:-1]:
-        try:
-            child = os.open(part, flags, dir_fd=fd)
-        except OSError:
-            os.close(fd)
-            return None
-        os.close(fd)
-        fd = child
-    return fd, parts[-1]
-
-
-# O_NONBLOCK: opening a FIFO left where a file should be returns at once instead of waiting for a writer.
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-
-
-def _read_no_follow(path: Path) -> str:
-    fd = os.open(path, _READ_FLAGS)
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        return handle.read(16 << 20).decode("utf-8")
-
-
-def file_sha256(folder: Path, relative: str) -> str | None:
-    """The SHA-256 of the regular file ``relative`` inside ``folder``; ``None`` when it is missing, a symlink or
-    lies behind one, is not a regular file, or cannot be read."""
-    opened = _open_parent(folder, relative)
-    if opened is None:
-        return None
-    parent, name = opened
-    try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=parent)
-    except OSError:
-        return None
-    finally:
-        os.close(parent)
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            return None
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
-def remove_if_unchanged(folder: Path, relative: str, hashes: frozenset[str]) -> bool:
-    """Delete ``relative`` inside ``folder`` when it is a regular file (reached without following a symlink)
-    whose content has one of ``hashes``; True when it was deleted."""
-    if file_sha256(folder, relative) not in hashes:
-        return False
-    opened = _open_parent(folder, relative)
-    if opened is None:
-        return False
-    parent, name = opened
-    try:
-        os.unlink(name, dir_fd=parent)
-    except FileNotFoundError:
-        return False
-    finally:
-        os.close(parent)
-    return True
-
-
-__all__ = [
-    "FORMAT",
-    "MARKER",
-    "ExportTargetError",
-    "Marker",
-    "MarkerError",
-    "entry_problem",
-    "file_sha256",
-    "folder_identity",
-    "load_marker",
-    "remove_if_unchanged",
-    "write_marker",
-]
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(json.dumps(data, indent=1) + "\n")
+        os.chmod(temp, 0o666 & ~umask())
+        os.replace(temp, folder / MARKER)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise

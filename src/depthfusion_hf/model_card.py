@@ -1,10 +1,11 @@
-"""Model cards: render ``model_cards/<family>.md`` with a model's numbers, and turn results into a ``model-index``.
+"""Model cards: ``model_cards/<family>.md`` rendered with a model's numbers, results as the card's ``model-index``.
 
     text = build_model_card(model, "me/denseformer-kjv", results=clm_results("outputs/clm/results.json",
                                                                               "denseformer"))
 
-The template, the pipeline tag and the family's numbers come from the family registry
-(:mod:`depthfusion_hf.families`); a template's ``{{ name }}`` placeholders must all have a value.
+The templates are Jinja templates with Hub front matter, filled and parsed by ``huggingface_hub.ModelCard``
+(every ``{{ name }}`` must have a value); results become ``EvalResult`` entries of its ``ModelCardData``. The
+pipeline tag and the family's numbers come from the family registry (:mod:`depthfusion_hf.families`).
 """
 
 from __future__ import annotations
@@ -12,60 +13,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
+from huggingface_hub import EvalResult, ModelCard
 from transformers import PreTrainedModel
 
 from .families import get_family
-
-_PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
 
 def default_model_cards_dir() -> Path:
     """The card templates shipped inside the package (``model_cards/`` at the repo root links here)."""
     return Path(__file__).resolve().parent / "model_cards"
-
-
-def split_front_matter(text: str) -> tuple[dict, str]:
-    """Split a model card into its YAML front matter (a dict) and the markdown body.
-
-    Raises:
-        ValueError: if the card does not start with a ``---`` block or the block is not a YAML mapping.
-    """
-    import yaml
-
-    match = re.match(r"\A---[ \t]*\n(.*?\n)---[ \t]*\n(.*)\Z", text, re.DOTALL)
-    if match is None:
-        raise ValueError("a model card must start with YAML front matter between '---' lines")
-    try:
-        meta = yaml.safe_load(match.group(1))
-    except yaml.YAMLError as error:
-        raise ValueError(f"the front matter is not valid YAML: {error}") from error
-    if not isinstance(meta, dict):
-        raise ValueError("the front matter must be a YAML mapping")
-    return meta, match.group(2)
-
-
-def join_front_matter(meta: Mapping[str, Any], body: str) -> str:
-    """The inverse of :func:`split_front_matter` (keys keep their order)."""
-    import yaml
-
-    return "---\n" + yaml.safe_dump(dict(meta), sort_keys=False, allow_unicode=True) + "---\n" + body
-
-
-def render_template(text: str, values: Mapping[str, Any]) -> str:
-    """Replace every ``{{ name }}`` in ``text`` by ``str(values[name])``.
-
-    Raises:
-        ValueError: naming the placeholders that ``values`` lacks (so a typo in a template fails loudly).
-    """
-    missing = sorted({name for name in _PLACEHOLDER.findall(text) if name not in values})
-    if missing:
-        raise ValueError(f"model card template placeholders without a value: {missing}")
-    return _PLACEHOLDER.sub(lambda match: str(values[match.group(1)]), text)
 
 
 def _human(count: int) -> str:
@@ -151,7 +112,7 @@ def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str)
     """Metric entries for a causal LM from ``scripts/train_clm.py``'s ``results.json`` (path or parsed dict).
 
     Takes the run whose ``model_type`` is ``model_type`` and the Llama baseline (``model_type`` ``"llama"``);
-    returns entries (see :func:`model_index`) for the validation loss and perplexity of the model, with the
+    returns entries (see :func:`build_model_card`) for the validation loss and perplexity of the model, with the
     baseline's numbers kept under ``"baseline"`` for the card's results table. Runs are matched by the
     ``model_type`` each run records, never by their display names. The dataset is the one the file's ``data``
     record names (:func:`describe_data`): local files by name and sha256, a Hub id with its configuration.
@@ -195,29 +156,6 @@ def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str)
     return entries
 
 
-def model_index(model_name: str, entries: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The Hub ``model-index`` (one result per task/dataset pair) from metric entries.
-
-    Each entry: ``task_type``, ``task_name``, ``dataset_type``, ``dataset_name``, optional ``dataset_config`` and
-    ``dataset_split``, ``metric_type``, ``metric_name``, ``value``; other keys are ignored.
-    """
-    results: dict[tuple, dict[str, Any]] = {}
-    for entry in entries:
-        key = (entry["task_type"], entry["dataset_type"], entry.get("dataset_config"), entry.get("dataset_split"))
-        if key not in results:
-            dataset = {"name": entry["dataset_name"], "type": entry["dataset_type"]}
-            if entry.get("dataset_config"):
-                dataset["config"] = entry["dataset_config"]
-            if entry.get("dataset_split"):
-                dataset["split"] = entry["dataset_split"]
-            results[key] = {"task": {"type": entry["task_type"], "name": entry["task_name"]},
-                            "dataset": dataset, "metrics": []}
-        results[key]["metrics"].append(
-            {"type": entry["metric_type"], "value": entry["value"], "name": entry["metric_name"]}
-        )
-    return [{"name": model_name, "results": list(results.values())}]
-
-
 def _results_section(entries: Sequence[Mapping[str, Any]] | None) -> str:
     if not entries:
         return ("No measured results are attached to this export (it was written without a results file, "
@@ -248,8 +186,10 @@ def build_model_card(
     Args:
         model: a DenseFormer, MoDA or DWAtt model.
         repo_id: the Hub id the card's usage code loads (e.g. ``"me/denseformer-4x5-kjv"``).
-        results: metric entries (see :func:`model_index`, :func:`clm_results`); they become the card's
-            ``model-index`` and results table. ``None``: the card claims no results and has no ``model-index``.
+        results: metric entries (``task_type``, ``task_name``, ``dataset_type``, ``dataset_name``, optional
+            ``dataset_config`` / ``dataset_split``, ``metric_type``, ``metric_name``, ``value``; see
+            :func:`clm_results`); they become the card's ``EvalResult`` ``model-index`` and results table
+            (``None``: the card claims no results and has none).
         template_dir: folder holding ``<model_type>.md``; defaults to :func:`default_model_cards_dir`.
         dataset: the training data's Hub id for the ``datasets`` metadata (default: the one the results name; for
             local files the card names them and has no ``datasets`` metadata; without results: the reference run's).
@@ -275,23 +215,21 @@ def build_model_card(
     if not trained:
         values["dataset"] = "nothing: randomly initialised weights"
     values["results_section"] = _results_section(results)
-    meta, body = split_front_matter(render_template(template_path.read_text(), values))
-    meta.pop("model-index", None)
+    environment = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    try:
+        card = ModelCard(environment.from_string(template_path.read_text(encoding="utf-8")).render(values))
+    except jinja2.UndefinedError as error:
+        raise ValueError(f"model card template {template_path}: a placeholder has no value ({error})") from error
     if not trained or local_files:  # `datasets` metadata names Hub datasets; local files have none
-        meta.pop("datasets", None)
-    if results:
-        meta["model-index"] = model_index(repo_id.rstrip("/").split("/")[-1], results)
-    return join_front_matter(meta, body)
+        card.data.datasets = None
+    card.data.model_name = repo_id.rstrip("/").split("/")[-1] if results else None
+    card.data.eval_results = [
+        EvalResult(task_type=entry["task_type"], task_name=entry.get("task_name"), dataset_type=entry["dataset_type"],
+                   dataset_name=entry["dataset_name"], dataset_config=entry.get("dataset_config"),
+                   dataset_split=entry.get("dataset_split"), metric_type=entry["metric_type"],
+                   metric_name=entry.get("metric_name"), metric_value=entry["value"])
+        for entry in results or ()] or None
+    return str(card)
 
 
-__all__ = [
-    "build_model_card",
-    "clm_results",
-    "default_model_cards_dir",
-    "describe_data",
-    "join_front_matter",
-    "model_card_values",
-    "model_index",
-    "render_template",
-    "split_front_matter",
-]
+__all__ = ["build_model_card", "clm_results", "default_model_cards_dir", "describe_data", "model_card_values"]

@@ -18,14 +18,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+import yaml
+from huggingface_hub import metadata_load
 from transformers import PreTrainedModel
+from transformers.dynamic_module_utils import get_relative_imports
 
 from .families import FAMILIES, get_family
-from .model_card import split_front_matter
 from .safe_folder import write_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model")
-_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.([A-Za-z_][A-Za-z0-9_]*)\s+import\s", re.MULTILINE)
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SHARD = re.compile(r"[^/\\\x00]+\.safetensors")
 
@@ -63,20 +64,13 @@ def save_remote_code_folder(
     check: bool = False,
     overwrite: bool = False,
 ) -> Path:
-    """Write a complete remote-code model folder atomically, never deleting what the package did not write.
-
-    The target may be missing, empty, or a previous export of this package (it holds the marker file
-    ``.depthfusion-export.json`` listing the files the export wrote): it is then replaced in one rename.
-    A folder holding anything else (other files, the current working directory), a file or a dangling
-    symlink raises :class:`~depthfusion_hf.safe_folder.ExportTargetError` naming the folder and the foreign
-    entries, and nothing is written. With ``overwrite=True`` the export is written into such a folder and
-    the foreign entries are **kept** (a foreign file with the name of an export file refuses the call).
-    Stale staging folders ``.<name>.tmp-<pid>-*`` that this package left next to the target (a process
-    killed mid-export) are deleted first; see :mod:`depthfusion_hf.safe_folder` for the exact rules.
+    """Write a complete remote-code model folder (config with ``auto_map``, code, safetensors weights, optionally
+    tokenizer and model card) by :func:`~depthfusion_hf.safe_folder.write_folder`'s rules: atomically, and never
+    deleting or replacing what the package did not write (docs/RELIABILITY.md §1).
 
     Args:
         model: a model of a registered family (DenseFormer, MoDA, DWAtt, ...).
-        folder: the target folder.
+        folder: the target: missing, empty, or a previous export of this package.
         tokenizer: optional tokenizer saved alongside.
         model_card: optional README.md text (Hub model card with YAML front matter).
         check: run :func:`check_export_folder` on the new folder before it replaces the target.
@@ -84,9 +78,9 @@ def save_remote_code_folder(
     Returns:
         The folder's resolved path.
     Raises:
-        ExportTargetError: the target holds what the package did not write (see above).
-        ValueError: if the model is not of a registered family, or with ``check=True`` if the new folder is
-            incomplete (the target is left as it was).
+        ExportTargetError: the target holds what the package did not write (named in the message).
+        ValueError: the model is not of a registered family, or with ``check=True`` the new folder is incomplete
+            (the target is left as it was).
     """
     register_for_remote_code(model)
 
@@ -145,15 +139,6 @@ def _read_json(path: Path) -> tuple[dict | None, str | None]:
     return data, None
 
 
-def _read_code(path: Path) -> tuple[str | None, str | None]:
-    try:
-        return path.read_text(encoding="utf-8"), None
-    except UnicodeDecodeError:
-        return None, f"code file {path.name} is not valid UTF-8"
-    except OSError as error:
-        return None, f"code file {path.name} cannot be read: {error.strerror or error}"
-
-
 def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, model_card: bool = False) -> list[str]:
     """List what a remote-code folder lacks; an empty list means it is complete.
 
@@ -187,27 +172,26 @@ def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, mode
     for name, refs in auto_map.items():
         for ref in refs if isinstance(refs, list) else [refs]:  # a tokenizer's entry is [slow, fast]
             module = str(ref).split("--")[-1].rsplit(".", 1)[0]
-            if ref is None:
-                continue
-            if not _MODULE.fullmatch(module):
+            if ref is not None and not _MODULE.fullmatch(module):
                 problems.append(f"config.json: auto_map[{name!r}] = {ref!r} does not name a module file of the folder")
-            else:
+            elif ref is not None:
                 pending.append(module)
     seen: set[str] = set()
-    while pending:
+    while pending:  # every module auto_map names, and what they import (read by transformers' own helper)
         module = pending.pop()
+        path = folder / f"{module}.py"
         if module in seen:
             continue
         seen.add(module)
-        path = folder / f"{module}.py"
         if not path.is_file():
             problems.append(f"code file {path.name} is missing")
             continue
-        code, problem = _read_code(path)
-        if problem is not None:
-            problems.append(problem)
-            continue
-        pending += _RELATIVE_IMPORT.findall(code)
+        try:
+            pending += get_relative_imports(path)
+        except UnicodeDecodeError:
+            problems.append(f"code file {path.name} is not valid UTF-8")
+        except OSError as error:
+            problems.append(f"code file {path.name} cannot be read: {error.strerror or error}")
 
     index_path = folder / "model.safetensors.index.json"
     if os.path.lexists(index_path):
@@ -228,39 +212,26 @@ def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, mode
         problems.append("model.safetensors is missing")
     pickles = sorted(folder.glob("pytorch_model*.bin"))
     problems += [f"{path.name}: pickle weights; export safetensors only" for path in pickles]
-    if family.is_causal_lm:
-        generation = folder / "generation_config.json"
-        if not generation.is_file():
-            problems.append("generation_config.json is missing (a causal LM)")
-        else:
-            problems += [problem for problem in [_read_json(generation)[1]] if problem is not None]
-    if tokenizer:
-        tokenizer_config = folder / "tokenizer_config.json"
-        if not tokenizer_config.is_file():
-            problems.append("tokenizer_config.json is missing")
-        else:
-            problems += [problem for problem in [_read_json(tokenizer_config)[1]] if problem is not None]
-        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-            problems.append(f"no tokenizer vocabulary (one of {TOKENIZER_FILES})")
+    needed = {"generation_config.json": " (a causal LM)"} if family.is_causal_lm else {}
+    needed |= {"tokenizer_config.json": ""} if tokenizer else {}
+    for name, why in needed.items():
+        problem = _read_json(folder / name)[1] if os.path.lexists(folder / name) else f"{name} is missing{why}"
+        problems += [problem] if problem is not None else []
+    if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(f"no tokenizer vocabulary (one of {TOKENIZER_FILES})")
     if model_card:
         readme = folder / "README.md"
-        if not readme.is_file():
-            problems.append("README.md (model card) is missing")
-        else:
-            try:
-                split_front_matter(readme.read_text(encoding="utf-8"))
-            except UnicodeDecodeError:
-                problems.append("README.md is not valid UTF-8")
-            except ValueError as error:
-                problems.append(f"README.md: {error}")
+        try:
+            if not readme.is_file():
+                problems.append("README.md (model card) is missing")
+            elif metadata_load(readme) is None:
+                problems.append("README.md: a model card must start with YAML front matter between '---' lines")
+        except UnicodeDecodeError:
+            problems.append("README.md is not valid UTF-8")
+        except (ValueError, yaml.YAMLError) as error:
+            problems.append(f"README.md: the front matter is no YAML mapping: {error}")
     return problems
 
 
-__all__ = [
-    "TOKENIZER_FILES",
-    "add_base_model_entry",
-    "check_export_folder",
-    "register_for_remote_code",
-    "save_model_folder",
-    "save_remote_code_folder",
-]
+__all__ = ["TOKENIZER_FILES", "add_base_model_entry", "check_export_folder", "register_for_remote_code",
+           "save_model_folder", "save_remote_code_folder"]

@@ -16,7 +16,7 @@ from huggingface_hub import ModelCard, metadata_load
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig
 
 from depthfusion_hf import FAMILIES
-from depthfusion_hf.export import PIPELINE_TAGS, check_export_folder, default_model_cards_dir, export_model
+from depthfusion_hf.export import check_export_folder, default_model_cards_dir, export_model
 from depthfusion_hf.models.configuration_attnres import AttnResConfig
 from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM, AttnResModel
 from depthfusion_hf.plotting_attnres import depth_attention_labels, plot_depth_attention_heatmap
@@ -37,7 +37,7 @@ def test_auto_classes_registered():
     assert isinstance(AutoModel.from_config(config), AttnResModel)
     assert isinstance(AutoModelForCausalLM.from_config(config), AttnResForCausalLM)
     family = FAMILIES["attnres"]
-    assert family.is_causal_lm and family.pipeline_tag == PIPELINE_TAGS["attnres"] == "text-generation"
+    assert family.is_causal_lm and family.pipeline_tag == "text-generation"
     assert family.variant_name(config) == "attnres block 2"
     assert family.variant_name(tiny_config()) == "attnres full"
 

@@ -12,7 +12,7 @@ import transformers
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 import depthfusion_hf  # noqa: F401  (registers the model types)
-from depthfusion_hf.export import AUTO_CLASSES
+from depthfusion_hf.families import FAMILIES
 from depthfusion_hf.recipes.clm import MODEL_KINDS, build_config, load_arch
 from depthfusion_hf.recipes.ner import NerSettings, load_selected
 from depthfusion_hf.recipes.ner_study import NerStudySettings
@@ -33,7 +33,7 @@ def on_meta(config) -> torch.nn.Module:
     if isinstance(config, LlamaConfig) and config.model_type == "llama":
         auto_class = transformers.AutoModelForCausalLM
     else:
-        auto_class = getattr(transformers, AUTO_CLASSES[config.model_type][0])
+        auto_class = FAMILIES[config.model_type].task_auto_class
     with torch.device("meta"):
         model = auto_class.from_config(config)
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -56,7 +56,7 @@ def test_every_config_builds(path):
     assert isinstance(data, dict), f"{path.name}: a JSON object"
     if "model_type" in data:  # a model config: builds the registered config class, and the model on meta
         config = model_config(path)
-        assert config.model_type in AUTO_CLASSES, config.model_type
+        assert config.model_type in FAMILIES, config.model_type
         assert count(on_meta(config)) > 0
     elif set(data) - {"_comment"} <= set(LlamaConfig.__dataclass_fields__):
         # an architecture for scripts/train_clm.py --config: valid for every model kind it can build

@@ -258,8 +258,9 @@ def test_the_edited_model_card_survives_the_next_export(tmp_path):
     assert (target / "README.md").read_text() == "my model card"
 
 
-def test_a_marker_without_hashes_counts_every_file_as_possibly_edited(tmp_path):
-    """Format 1 (before hashes were recorded): the next export refuses unless overwrite, which names the files."""
+def test_a_marker_without_hashes_is_a_foreign_file(tmp_path):
+    """A development version's marker (format 1, no hashes) cannot tell an edited file from the package's: the
+    folder counts as foreign, and overwrite refuses to replace the marker-named file; nothing changes."""
     target = tmp_path / "out"
     target.mkdir()
     (target / "README.md").write_text("maybe edited")
@@ -267,13 +268,12 @@ def test_a_marker_without_hashes_counts_every_file_as_possibly_edited(tmp_path):
     (target / MARKER).write_text(json.dumps({"written_by": "depthfusion-hf", "version": "0.1.0",
                                              "files": ["README.md", "config.json"]}))
     before = _snapshot(tmp_path)
-    with pytest.raises(ExportTargetError, match="without recording their content") as error:
+    with pytest.raises(ExportTargetError, match="not an export of this package") as error:
         write_folder(target, _writer({"config.json": "{}"}))
     assert "README.md, config.json" in str(error.value) and _snapshot(tmp_path) == before
-    with pytest.warns(UserWarning, match="replaced .*: config.json"):
+    with pytest.raises(ExportTargetError, match=f"names of files the export writes.*{MARKER}"):
         write_folder(target, _writer({"config.json": "{}"}), overwrite=True)
-    assert (target / "README.md").read_text() == "maybe edited"  # not written again: kept, it may be the user's
-    assert read_marker(target)["files"] == ["config.json"] and read_marker(target)["format"] == 2
+    assert _snapshot(tmp_path) == before and read_marker(target) is None
 
 
 def test_an_interrupted_overwrite_update_is_finished_without_spurious_edits(tmp_path, monkeypatch):

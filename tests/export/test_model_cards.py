@@ -9,10 +9,12 @@ import subprocess
 import sys
 import textwrap
 
+import jinja2
 import pytest
 from huggingface_hub import ModelCard, metadata_load
 
-from depthfusion_hf.export import build_model_card, default_model_cards_dir, render_template
+from depthfusion_hf.export import build_model_card, default_model_cards_dir
+from depthfusion_hf.families import FAMILIES as REGISTRY
 from depthfusion_hf.families import get_family
 
 FAMILIES = ("denseformer", "moda", "dwatt")
@@ -41,10 +43,22 @@ def test_template_has_valid_hub_metadata_citation_and_limitations(family):
     assert any("trust_remote_code=True" in b for b in blocks) and any("import depthfusion_hf" in b for b in blocks)
 
 
-def test_render_template_rejects_unknown_placeholders():
-    assert render_template("a {{ x }} b {{y}}", {"x": 1, "y": "z"}) == "a 1 b z"
-    with pytest.raises(ValueError, match=r"\['typo'\]"):
-        render_template("{{ typo }}", {"x": 1})
+@pytest.mark.parametrize("family", sorted(REGISTRY))
+def test_every_registered_template_is_jinja_with_hub_metadata(family):
+    """Every family's template parses as Jinja (BibTeX's ``{{Team}}`` would not) and as Hub metadata."""
+    path = default_model_cards_dir() / get_family(family).card_template
+    jinja2.Environment().parse(path.read_text(encoding="utf-8"))
+    meta = metadata_load(path)
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == get_family(family).pipeline_tag
+
+
+def test_a_template_placeholder_without_a_value_is_refused_naming_it(exported, tmp_path):
+    model = exported["denseformer"].model
+    (tmp_path / "denseformer.md").write_text("---\nlicense: mit\n---\n{{ repo_id }} {{ dwa_dilaton }}\n")
+    with pytest.raises(ValueError, match="dwa_dilaton"):
+        build_model_card(model, "me/x", template_dir=tmp_path)
+    (tmp_path / "denseformer.md").write_text("---\nlicense: mit\n---\n{{ repo_id }} k={{dwa_dilation}}\n")
+    assert build_model_card(model, "me/x", template_dir=tmp_path).endswith("me/x k=2\n")
 
 
 def test_results_become_a_valid_model_index(exported):

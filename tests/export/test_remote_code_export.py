@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, pipeline
 
-from tests.fresh_process import run_fresh
+from tests.fresh_process import _BLOCKER, run_fresh
 
 from .builders import NER_TEXT, PROMPTS
 from .conftest import NEW_TOKENS, _entities
@@ -100,3 +103,40 @@ def test_exported_folders_load_through_registered_auto_classes(exported):
     tagger = pipeline("token-classification", model=str(item.folder), aggregation_strategy="simple")
     assert type(tagger.model).__module__.startswith("depthfusion_hf.models")
     _same_entities(_entities(tagger(NER_TEXT)), item.expected["entities"])
+
+
+LOAD_LIKE_ANY_MODEL = """
+import json, sys
+from transformers import AutoTokenizer, PreTrainedTokenizerFast, pipeline
+folder, prompt = sys.argv[1], sys.argv[2]
+report = {}
+for name, load in (("auto", lambda: AutoTokenizer.from_pretrained(folder, trust_remote_code=True)),
+                   ("fast", lambda: PreTrainedTokenizerFast.from_pretrained(folder))):
+    tokenizer = load()
+    report[name] = {"ids": tokenizer(prompt)["input_ids"], "chat": tokenizer.chat_template}
+generator = pipeline("text-generation", model=folder, trust_remote_code=True)
+report["pipeline"] = generator(prompt, max_new_tokens={new}, min_new_tokens={new}, do_sample=False)[0]["generated_text"]
+report["pipeline_module"] = type(generator.model).__module__
+print("REPORT" + json.dumps(report))
+"""
+
+
+def test_an_exported_tokenizer_and_pipeline_load_without_a_prompt_or_a_warning(exported, tmp_path):
+    """Issue 28 §3, with only torch and transformers and stdin closed: the tokenizer loads through
+    ``AutoTokenizer`` (``trust_remote_code=True`` only runs the config's code) and as a plain fast tokenizer,
+    and ``pipeline("text-generation", model=folder, trust_remote_code=True)`` generates what the model does;
+    transformers neither asks "Do you wish to run the custom code?" nor warns about the model type."""
+    item = exported["denseformer"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "DEPTHFUSION"))}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    script = _BLOCKER.format(blocked={"depthfusion_hf", "triton"}) + LOAD_LIKE_ANY_MODEL.replace("{new}",
+                                                                                                str(NEW_TOKENS))
+    proc = subprocess.run([sys.executable, "-c", script, str(item.folder), PROMPTS[1]], cwd=tmp_path,
+                          stdin=subprocess.DEVNULL, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for needle in ("Do you wish to run the custom code", "trust_remote_code", "You are using a model of type"):
+        assert needle not in proc.stdout and needle not in proc.stderr, (needle, proc.stdout, proc.stderr[-2000:])
+    report = json.loads(proc.stdout.split("REPORT", 1)[1])
+    want = item.tokenizer(PROMPTS[1])["input_ids"]
+    assert report["auto"]["ids"] == report["fast"]["ids"] == want
+    assert report["pipeline"] == item.expected["pipeline_text"] and "depthfusion_hf" not in report["pipeline_module"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, LlamaForCausalLM
 
-from depthfusion_hf.export import AUTO_CLASSES, PIPELINE_TAGS, default_model_cards_dir
+from depthfusion_hf.export import default_model_cards_dir
 from depthfusion_hf.families import FAMILIES, Family, causal_lm_families, get_family
 from depthfusion_hf.recipes import clm
 
@@ -31,7 +31,6 @@ def test_every_family_is_registered_with_transformers(name):
     else:
         assert family.config_class not in AutoModel._model_mapping
     assert (default_model_cards_dir() / family.card_template).is_file()
-    assert AUTO_CLASSES[name][0] == family.task_auto_class.__name__ and PIPELINE_TAGS[name] == family.pipeline_tag
     with pytest.raises(dataclasses.FrozenInstanceError):
         family.pipeline_tag = "x"
 

@@ -9,10 +9,11 @@ import hashlib
 
 import pytest
 import yaml
+from huggingface_hub import ModelCard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from depthfusion_hf.model_card import build_model_card, clm_results, describe_data, split_front_matter
+from depthfusion_hf.model_card import build_model_card, clm_results, describe_data
 from depthfusion_hf.recipes.records import data_record, file_sha256
 from tests.training.builders import tiny_denseformer
 
@@ -50,8 +51,8 @@ def test_local_files_are_recorded_by_name_and_hash_whatever_the_dataset_default(
 
 def card_meta(entries) -> tuple[dict, str]:
     model = tiny_denseformer()
-    meta, body = split_front_matter(build_model_card(model, "me/dense", results=entries))
-    return meta, body
+    card = ModelCard(build_model_card(model, "me/dense", results=entries))
+    return card.data.to_dict(), card.text
 
 
 def test_a_card_of_a_local_files_run_names_the_files_and_their_hashes(tmp_path):

@@ -6,12 +6,12 @@ Each case returns "ok", or one of: "silent" (a wrong result or a bad input accep
 (a file the package did not write, or one the user edited, was deleted or changed; or a path outside the
 target was touched), "crash" (an internal exception type: KeyError, TypeError, IndexError, JSONDecodeError
 without the file, ...), "unclear" (the right kind of error but a message that does not name what it must),
-"hang" (a case still running after 180 s). Not collected by pytest (no ``test_`` prefix): the cases that
-found bugs are tests in ``tests/export/test_export_*.py`` and ``tests/dwatt/test_data_*.py``.
+"hang" (a case still running after 180 s). A gate run by hand, not a test (docs/RELIABILITY.md has the counts):
+the cases that found bugs are tests in ``tests/export/test_export_*.py`` and ``tests/dwatt/test_data_*.py``.
 
-    .venv/bin/python tests/export/probe_files.py > after.jsonl                     # this checkout
-    PYTHONPATH=/work/before/src .venv/bin/python tests/export/probe_files.py > before.jsonl   # another one
-    .venv/bin/python tests/export/probe_files.py "edited files"                    # one area (substring)
+    .venv/bin/python scripts/probes/probe_files.py > after.jsonl                   # this checkout
+    PYTHONPATH=/work/before/src .venv/bin/python scripts/probes/probe_files.py > before.jsonl   # another one
+    .venv/bin/python scripts/probes/probe_files.py "edited files"                  # one area (substring)
 
 The "loss" oracle is strict: a case that only replaced an entry without losing content (a FIFO or a symlink
 at a listed name, an unchanged file made unreadable) also reads "loss"; docs/RELIABILITY.md counts those 5 cases
@@ -47,6 +47,9 @@ from depthfusion_hf import remote_code as RC  # noqa: E402
 from depthfusion_hf import safe_folder as SF  # noqa: E402
 from depthfusion_hf.data import corpus  # noqa: E402
 from depthfusion_hf.recipes import ner as NER  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/
+import push_to_hub as PUSH  # noqa: E402
 
 MARKER = SF.MARKER
 ROOT = Path(tempfile.mkdtemp(prefix="d1probe_"))
@@ -708,6 +711,76 @@ case("export: permissions", "a previous export in a read-only parent")(
     lambda: perm_case(_readonly_parent_with_export, False, ["Permission denied"]))
 
 
+# ============================================================ exports: mount points (issue 27)
+
+@contextlib.contextmanager
+def mounted(target: Path, bind: bool = False):
+    """``target`` behaves as a mount point: a rename between inside and outside raises EXDEV (and renaming it
+    does); ``os.path.ismount`` says so unless ``bind`` (a bind mount of the same file system)."""
+    real_replace, real_rename, real_ismount = os.replace, os.rename, os.path.ismount
+
+    def inside(path) -> bool:
+        path = Path(os.path.abspath(path))
+        return path == target or target in path.parents
+
+    def crossing(rename):
+        def guarded_rename(src, dst, *args, **kwargs):
+            if inside(src) != inside(dst) or Path(os.path.abspath(src)) == target:
+                raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
+            return rename(src, dst, *args, **kwargs)
+        return guarded_rename
+
+    os.replace, os.rename = crossing(real_replace), crossing(real_rename)
+    os.path.ismount = lambda path: (not bind and Path(os.path.abspath(path)) == target) or real_ismount(path)
+    try:
+        yield
+    finally:
+        os.replace, os.rename, os.path.ismount = real_replace, real_rename, real_ismount
+
+
+for bind in (False, True):
+    @case("export: mount points", f"overwrite into a volume with lost+found and notes (bind mount={bind})")
+    def _(bind=bind):
+        root = fresh("mnt")
+        target = root / "volume"
+        write(target / "lost+found" / "x", "the system's")
+        write(target / "notes.txt", "the user's")
+        with mounted(target, bind):
+            verdict = guarded(root, lambda: SF.write_folder(target, writer({"a.txt": "1"}), overwrite=True),
+                              ["volume/lost+found", "volume/notes.txt"], "succeed")
+            if verdict == "ok" and (target / "a.txt").read_text() != "1":
+                verdict = ("silent", "the export is not in the volume")
+        return verdict
+
+    @case("export: mount points", f"an empty volume, then a second export replaces the first (bind mount={bind})")
+    def _(bind=bind):
+        root = fresh("mnt")
+        target = root / "volume"
+        target.mkdir()
+        with mounted(target, bind):
+            first = guarded(root, lambda: SF.write_folder(target, writer({"a.txt": "1", "b.txt": "1"})), [],
+                            "succeed")
+            if first != "ok":
+                return first
+            second = guarded(root, lambda: SF.write_folder(target, writer({"a.txt": "2"})), [], "succeed")
+        names = sorted(p.name for p in target.iterdir())
+        if second == "ok" and names != [MARKER, "a.txt"]:
+            return ("silent", f"the volume holds {names}")
+        return second
+
+
+@case("export: mount points", "an edited file in a volume is refused by name and kept")
+def _():
+    root = fresh("mnt")
+    target = root / "volume"
+    target.mkdir()
+    with mounted(target):
+        SF.write_folder(target, writer({"README.md": "card"}))
+        write(target / "README.md", "my card")
+        return guarded(root, lambda: SF.write_folder(target, writer({"README.md": "new"})), ["volume/README.md"],
+                       "refuse", ["README.md", "changed since"])
+
+
 # ============================================================ exports: check_export_folder and uploads
 
 def exported_copy() -> Path:
@@ -833,20 +906,20 @@ for repo in ("me/..", "me/.x", "me/a--b", "me/a..b", "me/-x", "me/x-"):
 @case("export: uploads", "load_export_model with a broken config JSON")
 def _():
     path = write(fresh("cfg") / "c.json", '{"model_type": "moda",')
-    return expect_error(lambda: HUB.load_export_model(config_path=path), "c.json")
+    return expect_error(lambda: PUSH.load_export_model(config_path=path), "c.json")
 
 
 @case("export: uploads", "load_export_model with a config folder")
 def _():
     path = fresh("cfg") / "c.json"
     path.mkdir()
-    return expect_error(lambda: HUB.load_export_model(config_path=path), "c.json")
+    return expect_error(lambda: PUSH.load_export_model(config_path=path), "c.json")
 
 
 @case("export: uploads", "load_card_results with broken JSON")
 def _():
     path = write(fresh("cfg") / "results.json", "{")
-    return expect_error(lambda: HUB.load_card_results(path, "denseformer"), "results.json")
+    return expect_error(lambda: PUSH.load_card_results(path, "denseformer"), "results.json")
 
 
 # ============================================================ data: text documents

@@ -2,7 +2,7 @@
 conversions, records, config fields and train_clm values, run against one checkout (not a pytest file: it is
 run by hand against a before and an after checkout, and prints one line per case):
 
-    PYTHONPATH=<root>/src python tests/training/probe_issue19.py <root> <out.json> [group,group,...]
+    PYTHONPATH=<root>/src python scripts/probes/probe_issue19.py <root> <out.json> [group,group,...]
 
 e.g. ``<root>`` = ``/work/before`` (the session's starting code) or the repository root. Each case's outcome: ok
 (the right result, or an error naming what is wrong), silent (a wrong result without an error, or an impossible
@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from huggingface_hub import ModelCard
 
 ROOT = Path(sys.argv[1]).resolve()
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -43,7 +44,12 @@ from depthfusion_hf import (  # noqa: E402
     convert,  # noqa: E402
 )
 from depthfusion_hf.data.corpus import load_documents, train_bpe_tokenizer  # noqa: E402
-from depthfusion_hf.model_card import build_model_card, clm_results, split_front_matter  # noqa: E402
+from depthfusion_hf.model_card import build_model_card, clm_results  # noqa: E402
+
+
+def split_front_matter(text: str) -> tuple[dict, str]:
+    card = ModelCard(text)
+    return card.data.to_dict(), card.text
 
 transformers.logging.set_verbosity_error()
 WORK = Path(tempfile.mkdtemp(prefix="d2probe_"))
