@@ -1,0 +1,185 @@
+"""What the behaviour tests need to know about each causal-LM family: one :class:`FamilyCase` per family.
+
+The behaviour tests (``test_generation.py``, ``test_compiled_decoding.py``, ``test_remote_code_and_convert.py``,
+``test_sharded_parameters.py``, ``test_create_graph_dependent_inputs.py``) run over every causal family of the
+registry (:func:`depthfusion_hf.families.causal_lm_families`) and read its entry here: the tiny model, the variants
+each behaviour runs, the files of its remote-code folder, its Llama conversion and that conversion's bound. A
+family in the registry without an entry fails collection (``KeyError`` naming it): adding a family adds an entry
+here, not test files. DWAtt (token classification) has its own tests (``tests/dwatt/``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from depthfusion_hf.families import causal_lm_families, get_family
+from tests.attnres.helpers import randomise_attnres, set_small_numel
+from tests.causal_lm_checks import TINY_DECODER
+from tests.denseformer.helpers import randomise_dwa
+from tests.mhc.helpers import randomise_mhc
+from tests.moda.helpers import sharpen_attention
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One Llama -> family conversion (``Family.from_llama``) and its bound.
+
+    Attributes:
+        kwargs: the conversion's keyword arguments (config fields of the family).
+        llama: ``LlamaConfig`` fields beyond the tiny decoder's.
+        dtype: the Llama's dtype.
+        llama_noise: std of the noise added to every Llama weight (0: transformers' init).
+        atol, rtol: the bound ``max |logits - Llama's| <= atol + rtol * max |Llama's logits|``.
+    """
+
+    kwargs: dict
+    atol: float
+    rtol: float = 0.0
+    llama: dict = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+    llama_noise: float = 0.0
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """A causal family's tiny model and the variants each behaviour test runs (variant id -> config fields).
+
+    Attributes:
+        layers: ``num_hidden_layers`` of the tiny model.
+        randomise: (model, seed) -> moves the family's own parameters off their init (an identity init would
+            hide a wrong path).
+        defaults: the family's config fields of the tiny model beyond the tiny decoder's.
+        generation: cached generation equals uncached (``test_generation.py``).
+        compiled_decoding: compiled static-cache decoding equals eager (``test_compiled_decoding.py``).
+        remote_code: a saved folder loads in a fresh process (``test_remote_code_and_convert.py``).
+        sharding: FSDP2-sharded equals plain (``test_sharded_parameters.py``).
+        op_files: the family's op modules a saved folder holds beside ``configuration_``/``modeling_<family>.py``.
+        analysis: a Python expression over ``model`` and ``ids`` giving the family's analysis weights (a tensor),
+            compared after loading; None when the family has none that take ids.
+        conversions: Llama conversions (id -> :class:`Conversion`).
+        conversion_rejects: (conversion kwargs, error message pattern) pairs the conversion rejects.
+        paths: other forward paths that the tiny shapes do not take by default (id -> monkeypatch setter).
+    """
+
+    layers: int
+    randomise: Callable[[PreTrainedModel, int], object]
+    generation: dict[str, dict]
+    compiled_decoding: dict[str, dict]
+    remote_code: dict[str, dict]
+    sharding: dict[str, dict]
+    op_files: tuple[str, ...]
+    conversions: dict[str, Conversion]
+    conversion_rejects: tuple[tuple[dict, str], ...] = ()
+    defaults: dict = field(default_factory=dict)
+    analysis: str | None = None
+    paths: dict[str, Callable[[pytest.MonkeyPatch], None]] = field(default_factory=dict)
+
+
+CASES: dict[str, FamilyCase] = {
+    "denseformer": FamilyCase(
+        layers=6,
+        randomise=lambda model, seed: randomise_dwa(model, seed),
+        # 2x1: a DWA step after every second block; 1x1: after every block over all earlier outputs; 2x2: every
+        # second block, every second output.
+        generation={"2x1": dict(dwa_dilation=2, dwa_period=1)},
+        compiled_decoding={"1x1": dict(num_hidden_layers=4),
+                           "2x2": dict(num_hidden_layers=4, dwa_dilation=2, dwa_period=2)},
+        remote_code={"2x2": dict(dwa_dilation=2, dwa_period=2)},
+        sharding={"2x1": dict(dwa_dilation=2, dwa_period=1)},
+        op_files=("dwa.py",),
+        analysis="model.dwa_weights()",
+        conversions={f"{k}x{p}": Conversion(dict(dwa_dilation=k, dwa_period=p), atol=1e-5)
+                     for k, p in ((1, 1), (4, 5), (2, 3))},
+    ),
+    "moda": FamilyCase(
+        layers=4,
+        randomise=lambda model, seed: sharpen_attention(model),
+        generation={"pre": dict(norm_position="pre"), "post": dict(norm_position="post")},
+        # FFN-side entries on and off (off: layer 1 reads one key and one value, a pair of entries that
+        # torch.compile 2.13 mis-binds in an autograd.Function called under no_grad).
+        compiled_decoding={"default": dict(num_hidden_layers=2),
+                           "no-ffn-kv": dict(num_hidden_layers=2, moda_ffn_kv=False)},
+        remote_code={"post": dict(norm_position="post")},
+        sharding={"default": {}},
+        op_files=("moda_attention.py",),
+        # One layer reads no depth entry (and the last layer writes no FFN entry): MoDA == Llama.
+        conversions={"one-layer": Conversion({}, atol=1e-5, llama=dict(num_hidden_layers=1))},
+        conversion_rejects=((dict(ffn_kv_init="random"), "ffn_kv_init must be one of"),
+                            (dict(norm_position="post"), "norm_position must be 'pre'")),
+    ),
+    "attnres": FamilyCase(
+        layers=4,
+        randomise=lambda model, seed: randomise_attnres(model, seed),
+        # full: every call over all earlier sub-layer outputs; block 3: blocks end mid-layer.
+        generation={"full": {}, "block3": dict(attnres_block_size=3)},
+        compiled_decoding={"full": dict(num_hidden_layers=2), "block3": dict(num_hidden_layers=2,
+                                                                             attnres_block_size=3)},
+        remote_code={"full": {}, "block3": dict(attnres_block_size=3)},
+        sharding={"full": {}, "block2": dict(attnres_block_size=2)},
+        op_files=("attnres.py",),
+        analysis="model.depth_attention_weights(ids)",
+        # Uniform averaging is the residual sum / N and the pre-norms undo the scale: only RMSNorm's eps differs,
+        # so with eps -> 0 the converted model gives the Llama's logits.
+        conversions={name: Conversion(dict(attnres_block_size=block), atol=1e-5, llama=dict(rms_norm_eps=1e-12))
+                     for name, block in (("full", None), ("block2", 2), ("block3", 3))},
+        conversion_rejects=((dict(attnres_block_size=9), r"`attnres_block_size` must be an integer in \[1, 8\]"),),
+        # The torch backend's forward over the list of sources (training sizes) instead of the stacked one that
+        # the tiny shapes take.
+        paths={"list": lambda monkeypatch: set_small_numel(monkeypatch, -1)},
+    ),
+    "mhc": FamilyCase(
+        layers=3,
+        randomise=lambda model, seed: randomise_mhc(model, seed),
+        defaults=dict(hc_mult=4),
+        generation={"n1": dict(hc_mult=1), "n4": dict(hc_mult=4)},
+        compiled_decoding={"n4": dict(num_hidden_layers=2)},  # 20 Sinkhorn iterations unrolled in the graph
+        remote_code={"n4": {}},
+        # every parameter sharded, the hyper-connections' odd-sized ones (scale [3], hc_scale [1]) too
+        sharding={"n4": {}},
+        op_files=("mhc_connection.py", "mhc_mix.py", "mhc_inputs.py", "mhc_triton.py"),
+        analysis="model.hyper_connection_weights(ids)['comb']",
+        # The bound llama_to_mhc's docstring states: 2e-6 of the logits' scale, float64 and float32, on a Llama
+        # whose weights are moved off their init (measured: at most 1.7e-7 in float64, 6e-7 in float32).
+        conversions={f"n{n}-{name}": Conversion(dict(hc_mult=n), atol=0.0, rtol=2e-6, dtype=dtype, llama_noise=0.05)
+                     for n in (1, 2, 4) for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32))},
+        conversion_rejects=((dict(hc_mult=0), "`hc_mult` must be an integer >= 1"),
+                            (dict(post_spread=1.0), r"post_spread must be a number in \[0, 1\)"),
+                            (dict(hc_mult=4, hc_eps=0.3), r"hc_eps \(0.3\) must be < 1 / hc_mult")),
+    ),
+}
+
+
+def tiny_config(family: str, **overrides):
+    """The family's tiny config: the tiny decoder (GQA 4 / 2 heads, width 48, vocabulary 97 with ids 0-2 pad /
+    bos / eos), its layer count and defaults, then ``overrides``."""
+    case = CASES[family]
+    fields = {**TINY_DECODER, "num_hidden_layers": case.layers, **case.defaults, **overrides}
+    return get_family(family).config_class(**fields)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides) -> PreTrainedModel:
+    """The family's tiny model in eval mode: initialised under ``torch.manual_seed(seed)``, then its own parameters
+    moved off their init (seeded ``seed + 1``)."""
+    torch.manual_seed(seed)
+    model = get_family(family).task_model_class(tiny_config(family, **overrides)).eval()
+    CASES[family].randomise(model, seed + 1)
+    return model
+
+
+def params(behaviour: str) -> list:
+    """``pytest.param(family, variant config fields, id="family-variant")`` for every causal family's variants of
+    ``behaviour`` (a :class:`FamilyCase` field)."""
+    return [pytest.param(family, overrides, id=f"{family}-{variant}")
+            for family in causal_lm_families() for variant, overrides in getattr(CASES[family], behaviour).items()]
+
+
+def path_params() -> list:
+    """``pytest.param(family, path setter or None, id=...)``: each causal family on its default path and on every
+    other path of its entry."""
+    return [pytest.param(family, setter, id=f"{family}-{name}") for family in causal_lm_families()
+            for name, setter in {"default": None, **CASES[family].paths}.items()]
