@@ -120,6 +120,7 @@ def test_conversion_gives_the_llamas_logits(family, name, tmp_path):
     convert = get_family(family).from_llama
     model = convert(llama, **conversion.kwargs)
     assert isinstance(model, get_family(family).task_model_class) and not model.training
+    assert {p.dtype for p in model.parameters()} == {conversion.dtype}  # the new parameters too
     for field, value in {**conversion.kwargs, **conversion.llama}.items():
         assert getattr(model.config, field) == value, field
     ids = torch.randint(3, 97, (2, 16))
@@ -144,7 +145,7 @@ def test_converted_model_holds_the_llamas_weights(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_conversion_rejects_what_it_cannot_convert(family):
     convert = get_family(family).from_llama
-    with pytest.raises(ValueError, match="expected a Llama"):
+    with pytest.raises(ValueError, match="expected a LlamaForCausalLM"):
         convert(torch.nn.Linear(2, 2))
     llama = tiny_llama(family)
     for kwargs, message in CASES[family].conversion_rejects:
