@@ -1,11 +1,11 @@
 """What the behaviour tests need to know about each causal-LM family: one :class:`FamilyCase` per family.
 
 The behaviour tests (``test_generation.py``, ``test_compiled_decoding.py``, ``test_remote_code_and_convert.py``,
-``test_sharded_parameters.py``, ``test_create_graph_dependent_inputs.py``) run over every causal family of the
-registry (:func:`depthfusion_hf.families.causal_lm_families`) and read its entry here: the tiny model, the variants
-each behaviour runs, the files of its remote-code folder, its Llama conversion and that conversion's bound. A
-family in the registry without an entry fails collection (``KeyError`` naming it): adding a family adds an entry
-here, not test files. DWAtt (token classification) has its own tests (``tests/dwatt/``).
+``test_sharded_parameters.py``, ``test_create_graph_dependent_inputs.py``, ``test_torch_compile.py``) run over every
+causal family of the registry (:func:`depthfusion_hf.families.causal_lm_families`) and read its entry here: the
+tiny model, the variants each behaviour runs, the files of its remote-code folder, its Llama conversion and that
+conversion's bound. A family in the registry without an entry fails collection (``KeyError`` naming it): adding a
+family adds an entry here, not test files. DWAtt (token classification) has its own tests (``tests/dwatt/``).
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from transformers import PreTrainedModel
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from depthfusion_hf.families import causal_lm_families, get_family
-from tests.attnres.helpers import randomise_attnres, set_small_numel
-from tests.causal_lm_checks import TINY_DECODER
-from tests.denseformer.helpers import randomise_dwa
-from tests.mhc.helpers import randomise_mhc
-from tests.moda.helpers import sharpen_attention
+from tests.attnres import helpers as attnres
+from tests.denseformer import helpers as denseformer
+from tests.mhc import helpers as mhc
+from tests.moda import helpers as moda
 
 
 @dataclass(frozen=True)
@@ -50,10 +49,11 @@ class FamilyCase:
     """A causal family's tiny model and the variants each behaviour test runs (variant id -> config fields).
 
     Attributes:
-        layers: ``num_hidden_layers`` of the tiny model.
+        tiny_config: config fields -> the family's tiny config (the tiny decoder of ``tests/causal_lm_checks.py``:
+            GQA 4 / 2 heads, width 48, vocabulary 97 with ids 0-2 pad / bos / eos; the family's layer count).
+        tiny_llama_config: config fields -> the Llama config of the same shape.
         randomise: (model, seed) -> moves the family's own parameters off their init (an identity init would
             hide a wrong path).
-        defaults: the family's config fields of the tiny model beyond the tiny decoder's.
         generation: cached generation equals uncached (``test_generation.py``).
         compiled_decoding: compiled static-cache decoding equals eager (``test_compiled_decoding.py``).
         remote_code: a saved folder loads in a fresh process (``test_remote_code_and_convert.py``).
@@ -68,7 +68,8 @@ class FamilyCase:
         paths: other forward paths that the tiny shapes do not take by default (id -> monkeypatch setter).
     """
 
-    layers: int
+    tiny_config: Callable[..., PretrainedConfig]
+    tiny_llama_config: Callable[..., LlamaConfig]
     randomise: Callable[[PreTrainedModel, int], object]
     generation: dict[str, dict]
     compiled_decoding: dict[str, dict]
@@ -79,15 +80,15 @@ class FamilyCase:
     op_files: tuple[str, ...]
     conversions: dict[str, Conversion]
     conversion_rejects: tuple[tuple[dict, str], ...] = ()
-    defaults: dict = field(default_factory=dict)
     analysis: str | None = None
     paths: dict[str, Callable[[pytest.MonkeyPatch], None]] = field(default_factory=dict)
 
 
 CASES: dict[str, FamilyCase] = {
     "denseformer": FamilyCase(
-        layers=6,
-        randomise=lambda model, seed: randomise_dwa(model, seed),
+        tiny_config=denseformer.tiny_config,
+        tiny_llama_config=denseformer.tiny_llama_config,
+        randomise=lambda model, seed: denseformer.randomise_dwa(model, seed),
         # 2x1: a DWA step after every second block; 1x1: after every block over all earlier outputs; 2x2: every
         # second block, every second output.
         generation={"2x1": dict(dwa_dilation=2, dwa_period=1)},
@@ -103,8 +104,9 @@ CASES: dict[str, FamilyCase] = {
                      for k, p in ((1, 1), (4, 5), (2, 3))},
     ),
     "moda": FamilyCase(
-        layers=4,
-        randomise=lambda model, seed: sharpen_attention(model),
+        tiny_config=moda.tiny_config,
+        tiny_llama_config=moda.tiny_llama_config,
+        randomise=lambda model, seed: moda.sharpen_attention(model),
         generation={"pre": dict(norm_position="pre"), "post": dict(norm_position="post")},
         # FFN-side entries on and off (off: layer 1 reads one key and one value, a pair of entries that
         # torch.compile 2.13 mis-binds in an autograd.Function called under no_grad).
@@ -121,8 +123,9 @@ CASES: dict[str, FamilyCase] = {
                             (dict(norm_position="post"), "norm_position must be 'pre'")),
     ),
     "attnres": FamilyCase(
-        layers=4,
-        randomise=lambda model, seed: randomise_attnres(model, seed),
+        tiny_config=attnres.tiny_config,
+        tiny_llama_config=attnres.tiny_llama_config,
+        randomise=lambda model, seed: attnres.randomise_attnres(model, seed),
         # full: every call over all earlier sub-layer outputs; block 3: blocks end mid-layer.
         generation={"full": {}, "block3": dict(attnres_block_size=3)},
         compiled_decoding={"full": dict(num_hidden_layers=2), "block3": dict(num_hidden_layers=2,
@@ -140,15 +143,15 @@ CASES: dict[str, FamilyCase] = {
         conversion_rejects=((dict(attnres_block_size=9), r"`attnres_block_size` must be an integer in \[1, 8\]"),),
         # The torch backend's forward over the list of sources (training sizes) instead of the stacked one that
         # the tiny shapes take.
-        paths={"list": lambda monkeypatch: set_small_numel(monkeypatch, -1)},
+        paths={"list": lambda monkeypatch: attnres.set_small_numel(monkeypatch, -1)},
     ),
     "mhc": FamilyCase(
-        layers=3,
-        randomise=lambda model, seed: randomise_mhc(model, seed),
-        defaults=dict(hc_mult=4),
+        tiny_config=mhc.tiny_config,  # n = 4 streams
+        tiny_llama_config=mhc.tiny_llama_config,
+        randomise=lambda model, seed: mhc.randomise_mhc(model, seed),
         generation={"n1": dict(hc_mult=1), "n4": dict(hc_mult=4)},
         compiled_decoding={"n4": dict(num_hidden_layers=2)},  # 20 Sinkhorn iterations unrolled in the graph
-        remote_code={"n4": {}},
+        remote_code={"n4": dict(hc_mult=4)},
         # every parameter sharded, the hyper-connections' odd-sized ones (scale [3], hc_scale [1]) too
         sharding={"n4": {}},
         torch_compile={"n4": dict(hc_sinkhorn_iters=3)},
@@ -166,19 +169,11 @@ CASES: dict[str, FamilyCase] = {
 }
 
 
-def tiny_config(family: str, **overrides):
-    """The family's tiny config: the tiny decoder (GQA 4 / 2 heads, width 48, vocabulary 97 with ids 0-2 pad /
-    bos / eos), its layer count and defaults, then ``overrides``."""
-    case = CASES[family]
-    fields = {**TINY_DECODER, "num_hidden_layers": case.layers, **case.defaults, **overrides}
-    return get_family(family).config_class(**fields)
-
-
 def tiny_model(family: str, seed: int = 0, **overrides) -> PreTrainedModel:
     """The family's tiny model in eval mode: initialised under ``torch.manual_seed(seed)``, then its own parameters
     moved off their init (seeded ``seed + 1``)."""
     torch.manual_seed(seed)
-    model = get_family(family).task_model_class(tiny_config(family, **overrides)).eval()
+    model = get_family(family).task_model_class(CASES[family].tiny_config(**overrides)).eval()
     CASES[family].randomise(model, seed + 1)
     return model
 

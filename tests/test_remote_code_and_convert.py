@@ -6,14 +6,13 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
 from depthfusion_hf.convert import llama_to_attnres, llama_to_mhc, llama_to_moda
 from depthfusion_hf.export import save_remote_code_folder
 from depthfusion_hf.families import causal_lm_families, get_family
-from tests.causal_lm_checks import TINY_DECODER
-from tests.family_cases import CASES, params, tiny_config, tiny_model
+from tests.family_cases import CASES, params, tiny_model
 from tests.fresh_process import run_fresh
 
 FAMILIES = causal_lm_families()
@@ -39,9 +38,8 @@ def test_remote_code_loads_in_fresh_process(tmp_path, family, overrides):
                     "generated": model.generate(ids[:, :4], max_new_tokens=5, do_sample=False, pad_token_id=0,
                                                 eos_token_id=None)}
     torch.save(expected, tmp_path / "expected.pt")
-    fields = {**case.defaults, **overrides}
     facts = {"dtypes": {name: str(p.dtype) for name, p in model.named_parameters()},
-             "fields": {name: getattr(model.config, name) for name in fields}}
+             "fields": {name: getattr(model.config, name) for name in overrides}}
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     out = run_fresh(
@@ -64,7 +62,7 @@ def test_remote_code_loads_in_fresh_process(tmp_path, family, overrides):
                     analysis=None if analysis is None else (analysis - expected["analysis"]).abs().max().item(),
                     same_generation=torch.equal(generated, expected["generated"]),
                     dtypes={{n: str(p.dtype) for n, p in model.named_parameters()}},
-                    fields={{n: getattr(model.config, n) for n in {sorted(fields)!r}}})
+                    fields={{n: getattr(model.config, n) for n in {sorted(overrides)!r}}})
         report["base"] = type(AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True)).__name__
         print("REPORT", json.dumps(report))
         """,
@@ -102,8 +100,7 @@ def test_export_is_atomic(tmp_path, monkeypatch, family):
 def tiny_llama(family: str, dtype: torch.dtype = torch.float32, noise: float = 0.0, **overrides) -> LlamaForCausalLM:
     """The Llama of the family's tiny shape in eval mode, its weights moved by ``noise`` (std) off their init."""
     torch.manual_seed(0)
-    config = LlamaConfig(**{**TINY_DECODER, "num_hidden_layers": CASES[family].layers, **overrides})
-    llama = LlamaForCausalLM(config).to(dtype).eval()
+    llama = LlamaForCausalLM(CASES[family].tiny_llama_config(**overrides)).to(dtype).eval()
     with torch.no_grad():
         for p in llama.parameters():
             p.add_(noise * torch.randn_like(p))
@@ -238,7 +235,7 @@ def test_moda_conversion_ffn_kv_rules(rule):
     ours = moda.state_dict()
     for name, tensor in llama.state_dict().items():
         assert torch.equal(ours[name], tensor), name
-    config = tiny_config("moda")
+    config = CASES["moda"].tiny_config()
     head_dim, kv_heads = config.hidden_size // config.num_attention_heads, config.num_key_value_heads
     weight = moda.model.layers[1].ffn_kv_proj.weight.view(kv_heads, 2, head_dim, config.hidden_size)
     attn = moda.model.layers[1].self_attn
