@@ -18,24 +18,14 @@ import pytest
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-import depthfusion_hf
+from depthfusion_hf.families import causal_lm_families, get_family
 
-from .attnres.helpers import set_small_numel
-from .causal_lm_checks import TINY_DECODER
+from .family_cases import CASES
 
 EPS64 = torch.finfo(torch.float64).eps
-DECODER = dict(TINY_DECODER, num_hidden_layers=4)
-
-VARIANTS = {
-    "denseformer-2x1": lambda: depthfusion_hf.DenseFormerForCausalLM(
-        depthfusion_hf.DenseFormerConfig(**DECODER, dwa_dilation=2, dwa_period=1)),
-    "moda": lambda: depthfusion_hf.MoDAForCausalLM(depthfusion_hf.MoDAConfig(**DECODER)),
-    "moda-noffn": lambda: depthfusion_hf.MoDAForCausalLM(depthfusion_hf.MoDAConfig(**DECODER, moda_ffn_kv=False)),
-    "attnres-full": lambda: depthfusion_hf.AttnResForCausalLM(depthfusion_hf.AttnResConfig(**DECODER)),
-    "attnres-block3": lambda: depthfusion_hf.AttnResForCausalLM(
-        depthfusion_hf.AttnResConfig(**DECODER, attnres_block_size=3)),
-    "mhc": lambda: depthfusion_hf.MHCForCausalLM(depthfusion_hf.MHCConfig(**DECODER, hc_mult=4, hc_sinkhorn_iters=3)),
-}
+# "family-variant" -> (family, config fields): the torch_compile variants of every causal family's entry
+VARIANTS = {f"{family}-{variant}": (family, overrides) for family in causal_lm_families()
+            for variant, overrides in CASES[family].torch_compile.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -49,8 +39,9 @@ def fresh_dynamo():
 def float64_model(name: str, seed: int = 0) -> torch.nn.Module:
     """The variant in float64 with every parameter moved off its initial value (zero pseudo-queries, unit norms
     and identity DWA weights would hide a wrong path)."""
+    family, overrides = VARIANTS[name]
     torch.manual_seed(seed)
-    model = VARIANTS[name]().double()
+    model = get_family(family).task_model_class(CASES[family].tiny_config(num_hidden_layers=4, **overrides)).double()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -63,27 +54,31 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err <= 64 * EPS64 * scale, f"{what}: max |diff| {err.item():.3g} over scale {scale.item():.3g}"
 
 
-# AttnRes a second time with its small-input threshold moved, so the tiny shapes take the training path of real
-# sizes (the logit rows); the other families have no separate path for small inputs.
-TRAIN_CASES = [(name, False) for name in VARIANTS] + [("attnres-full", True), ("attnres-block3", True)]
+# Every variant on the default path and on each other path of its family's entry (AttnRes's list path: the tiny
+# shapes then take the training path of real sizes).
+TRAIN_CASES = [pytest.param(name, setter, id=f"{name}-{path}") for name, (family, _) in VARIANTS.items()
+               for path, setter in {"default": None, **CASES[family].paths}.items()]
 
 
-@pytest.mark.parametrize(("name", "list_path"), TRAIN_CASES,
-                         ids=[f"{n}{'-list_path' if lp else ''}" for n, lp in TRAIN_CASES])
-def test_compiled_training_matches_eager(name, list_path, monkeypatch):
-    """Two SGD steps: the compiled model's loss and every gradient equal the eager model's at each step."""
-    if list_path:
-        set_small_numel(monkeypatch, -1)
+@pytest.mark.parametrize(("name", "path"), TRAIN_CASES)
+def test_compiled_training_matches_eager(name, path, monkeypatch):
+    """Two SGD steps on a left-padded batch: the compiled model (``fullgraph``: the forward with the mask, RoPE, the
+    op's dispatch and custom Function, and its backward, in one graph) gives the eager model's loss and every
+    gradient at each step."""
+    if path is not None:
+        path(monkeypatch)
     eager = float64_model(name).train()
     compiled_model = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_model, backend="aot_eager")
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
     optimisers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, compiled_model)]
     gen = torch.Generator().manual_seed(1)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
     for step in range(2):
         ids = torch.randint(3, 97, (2, 10), generator=gen)
-        want = eager(input_ids=ids, labels=ids).loss
+        want = eager(input_ids=ids, attention_mask=mask, labels=ids).loss
         want.backward()
-        got = compiled(input_ids=ids, labels=ids).loss
+        got = compiled(input_ids=ids, attention_mask=mask, labels=ids).loss
         got.backward()
         assert_close(got.detach(), want.detach(), f"loss at step {step}")
         for (n, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
@@ -96,7 +91,7 @@ def test_compiled_training_matches_eager(name, list_path, monkeypatch):
 
 # Decoding on a cache: DenseFormer's DWA over the cached block outputs, MoDA's depth entries of one token,
 # AttnRes's block sums, mHC's streams of one token.
-DECODE_VARIANTS = ["denseformer-2x1", "moda", "attnres-block3", "mhc"]
+DECODE_VARIANTS = [f"{family}-{CASES[family].compiled_generate}" for family in causal_lm_families()]
 
 
 @pytest.mark.parametrize("name", DECODE_VARIANTS)

@@ -22,7 +22,7 @@ part at a near-tie, so whether the compiled tokens equal eager's is recorded (wi
 checked. Timing: wall time of whole ``generate`` calls (prefill included), median of ``REPS`` after a warm-up,
 tokens/s and the ratio to Llama's same mode. In a smoke run on the CPU (``GPU_CHECK_SMOKE=1``) the shapes are toys
 and the backend is ``aot_eager``, for Llama and DenseFormer only (the step's code, not inductor, is what is exercised
-there; ``tests/compiled_decoding.py`` tests every family's compiled decoding on the CPU).
+there; ``tests/test_compiled_decoding.py`` tests every family's compiled decoding on the CPU).
 """
 
 from __future__ import annotations

@@ -24,7 +24,12 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
 def tiny_model(seed: int = 0, **overrides) -> MoDAForCausalLM:
     """A seeded tiny MoDA model in eval mode, with weights scaled up so attention is far from uniform."""
     torch.manual_seed(seed)
-    model = MoDAForCausalLM(tiny_config(**overrides)).eval()
+    return sharpen_attention(MoDAForCausalLM(tiny_config(**overrides)).eval())
+
+
+def sharpen_attention(model: MoDAForCausalLM) -> MoDAForCausalLM:
+    """Scale the query, key and FFN-side K/V projections by 8, so that attention over the sequence and the depth
+    entries is far from uniform (a wrong entry or mask then shows)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight", "ffn_kv_proj.weight")):

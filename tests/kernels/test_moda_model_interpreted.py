@@ -23,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import json, os, torch
 torch.set_float32_matmul_precision("high")  # the kernels' fp32 dots are TF32: allowed, else fp32 goes to torch
-from tests.moda.helpers import tiny_model
+from tests.family_cases import tiny_model
 from depthfusion_hf.models.moda_attention import moda_triton_available
 assert moda_triton_available(), "the Triton kernels did not import under TRITON_INTERPRET=1"
 ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -32,7 +32,7 @@ mask[0, :2] = 0
 results = {}
 for backend in ("torch", "triton"):
     os.environ["DEPTHFUSION_BACKEND"] = backend
-    model = tiny_model(seed=3).train()
+    model = tiny_model("moda", seed=3).train()
     out = model(ids, attention_mask=mask, labels=ids)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

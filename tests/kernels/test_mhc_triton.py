@@ -13,8 +13,7 @@ from depthfusion_hf.models import depthfusion_common, mhc_connection, mhc_mix, m
 from depthfusion_hf.models.mhc_connection import hyper_connection, hyper_connection_reference, hyper_head
 from depthfusion_hf.models.mhc_mix import hyper_mix, hyper_mix_reference
 from depthfusion_hf.models.modeling_mhc import MHCForCausalLM
-
-from .helpers import EPS, max_rel, mix_inputs, op_inputs, randomise_mhc, tiny_config
+from tests.mhc.helpers import EPS, max_rel, mix_inputs, op_inputs, randomise_mhc, tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS32 = EPS[torch.float32]

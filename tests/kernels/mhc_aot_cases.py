@@ -1,5 +1,6 @@
 """The mHC kernels' launches, recorded on fake CUDA tensors and compiled for sm_80 and sm_90 (``tests/kernels/aot.py``'s
-harness), one JSON line per (specialisation, target): ``python -m tests.mhc.aot_cases`` (TRITON_INTERPRET unset).
+harness), one JSON line per (specialisation, target): ``python -m tests.kernels.mhc_aot_cases`` (TRITON_INTERPRET
+unset).
 
 Cases (``dtype/n/shape``): every kernel, forward and backward (the head included), in a training shape (B T = 1024
 tokens, D = 1024: several programs, K chunks and token splits) and a decoding shape (one token, D = 1000); each
