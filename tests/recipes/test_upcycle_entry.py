@@ -7,6 +7,10 @@ so the test needs no download."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,9 @@ from depthfusion_hf.convert import llama_to_denseformer
 from depthfusion_hf.gguf_source import CACHE_ENV, SOURCE_FILE
 from tests.causal_lm_checks import TINY_DECODER
 
+from .test_compare_families import load_script
+
+REPO = Path(__file__).resolve().parents[2]
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
 ROUNDING = 2e-6  # mHC's conversion bound, of max |logit| (convert.llama_to_mhc)
 
@@ -167,3 +174,28 @@ def test_bad_family_or_option_is_a_value_error_naming_the_allowed_ones():
     # the per-family converters refuse a misspelt option too (it was ignored for a model object)
     with pytest.raises(ValueError, match=r"unknown loading option\(s\) \['dwa_dilaton'\]"):
         llama_to_denseformer(llama, dwa_dilaton=2)
+
+
+def test_train_clm_upcycles_a_gguf_file(gguf_folder, tmp_path):
+    _, folder = gguf_folder
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")  # the cache folder of the fixture
+    out = tmp_path / "run"
+    command = [sys.executable, str(REPO / "scripts" / "train_clm.py"), "--init_from", str(folder), "--gguf_file",
+               "tiny.gguf", "--model", "mhc", "--max_steps", "1", "--eval_steps", "0", "--batch_size", "2",
+               "--block_size", "16", "--max_train_blocks", "4", "--max_eval_blocks", "2", "--no_baseline",
+               "--output_dir", str(out)]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = out / "mhc" / "final"
+    assert "quantization_config" not in (final / "config.json").read_text()
+    assert AutoTokenizer.from_pretrained(final).chat_template == CHAT_TEMPLATE  # the GGUF's own tokenizer
+    proc = subprocess.run(command[:2] + ["--gguf_file", "tiny.gguf", "--output_dir", str(tmp_path / "x")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "--gguf_file names a file in the --init_from folder" in proc.stderr
+
+
+def test_the_upcycle_script_wants_init_from_with_a_gguf_file(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("upcycle").parse_args(["--gguf_file", "model.gguf"])
+    assert exit_info.value.code == 2
+    assert "--gguf_file names a file in the --init_from folder" in capsys.readouterr().err
