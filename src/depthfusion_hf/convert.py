@@ -342,7 +342,7 @@ def llama_to_mhc(
     (max |logits|): random tiny Llamas 6e-7 in float32, 1.7e-7 in float64 (1e-12 with float64 norms and
     rms_norm_eps -> 0; tests/mhc/test_remote_code_and_convert.py, docs/MHC.md), bound 2e-6; real weights
     (SmolLM2-135M-Instruct, float32): its first 2 layers 4.7e-7 (bound 2e-6, tests/recipes/
-    test_upcycle_real_weights.py), all 30 layers 3.5e-6 to 5.9e-6 on held-out text (1.45e-4 to 1.7e-4 absolute;
+    test_upcycle_real_weights.py), all 30 layers 3.5e-6 to 5.9e-6 on held-out text (1.45e-4 to 1.9e-4 absolute;
     examples/upcycle_pretrained.py, docs/RESULTS.md): so about 2e-7 per layer, 1e-5 for a 30-layer model. Greedy
     text and perplexity (to 4 digits) are the Llama's. The hyper-connection parameters are float32 (float64 for a
     float64 Llama) whatever the Llama's dtype.
