@@ -274,7 +274,6 @@ def llama_to_moda(
 
 
 __all__ = ["llama_to_denseformer", "load_llama", "copy_llama_weights", "keep_llama_settings", "llama_config_fields"]
-__all__ += ["LOAD_OPTIONS", "check_float_weights"]
 __all__ += ["llama_to_moda", "init_ffn_kv_from_llama", "FFN_KV_INITS"]
 
 
@@ -379,3 +378,4 @@ def llama_to_mhc(
 
 
 __all__ += ["llama_to_mhc"]
+__all__ += ["LOAD_OPTIONS", "check_float_weights"]
