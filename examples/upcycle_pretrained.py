@@ -39,6 +39,7 @@ from depthfusion_hf.convert import load_llama
 from depthfusion_hf.data.corpus import load_kjv_chapters, pack_into_blocks
 from depthfusion_hf.families import FAMILIES
 from depthfusion_hf.recipes.clm import new_parameter_names, recommended_new_param_lr_scale
+from depthfusion_hf.upcycling import family_options
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The variant of each family (the measurements used these).
@@ -151,7 +152,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = {}
     for family in args.families:
-        model = upcycle(llama, family, **VARIANTS[family]).eval()
+        options = dict(VARIANTS[family])
+        if "calibration_ids" in family_options(family):  # MoDA's depth gates: scaled on training text (docs/MODA.md)
+            options["calibration_ids"] = train_blocks[:args.batch_size]
+        model = upcycle(llama, family, **options).eval()
         name = FAMILIES[family].variant_name(model.config)
         with torch.no_grad():
             diff = (model(held_out).logits - source_logits).abs().max().item()
