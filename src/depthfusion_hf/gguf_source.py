@@ -38,6 +38,15 @@ def resolve_gguf(model_or_path: str | os.PathLike, gguf_file: str, **hub_kwargs)
     return Path(cached_file(os.fspath(model_or_path), gguf_file, **hub_kwargs))
 
 
+def sha256_of(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file, read in 1 MiB chunks (``hashlib.file_digest`` needs Python 3.11)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def drop_quantization_settings(model) -> None:
     """Remove what a GGUF load leaves on a dequantised model: its quantizer and ``config.quantization_config``."""
     quantizer = getattr(model, "hf_quantizer", None)
@@ -64,8 +73,7 @@ def gguf_float_folder(model_or_path: str | os.PathLike, gguf_file: str, **hub_kw
     if model_type != "llama":
         raise ValueError(f"{str(path)!r} holds a GGUF checkpoint of architecture {model_type!r}; only Llama "
                          "checkpoints (model_type 'llama') can be upcycled")
-    with path.open("rb") as handle:
-        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    digest = sha256_of(path)
     target = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
     if (target / SOURCE_FILE).is_file():
         return target
@@ -89,4 +97,4 @@ def gguf_float_folder(model_or_path: str | os.PathLike, gguf_file: str, **hub_kw
     return target
 
 
-__all__ = ["CACHE_ENV", "cache_root", "drop_quantization_settings", "gguf_float_folder", "resolve_gguf"]
+__all__ = ["CACHE_ENV", "cache_root", "drop_quantization_settings", "gguf_float_folder", "resolve_gguf", "sha256_of"]
