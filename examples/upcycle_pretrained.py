@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--block_size", type=int, default=128, help="tokens per training sequence")
     parser.add_argument("--learning_rate", type=float, default=1e-4, help="of the pretrained weights")
+    parser.add_argument("--new_param_lr_scale", type=float, default=None,
+                        help="learning-rate multiple of the parameters the Llama lacks, for every family (default: "
+                             "each family's recommended one)")
     parser.add_argument("--eval_blocks", type=int, default=4)
     parser.add_argument("--eval_block_size", type=int, default=256)
     parser.add_argument("--max_new_tokens", type=int, default=12)
@@ -121,6 +124,8 @@ def parse_args(argv: list[str] | None):
     for name in ("steps", "batch_size", "block_size", "eval_blocks", "eval_block_size", "max_new_tokens"):
         if getattr(args, name) < (0 if name == "steps" else 1):
             parser.error(f"--{name} must be >= {0 if name == 'steps' else 1}; got {getattr(args, name)}")
+    if args.new_param_lr_scale is not None and not args.new_param_lr_scale > 0:
+        parser.error(f"--new_param_lr_scale must be > 0; got {args.new_param_lr_scale}")
     if args.source is None:
         args.source, args.gguf_file = installed_gguf_folder(), args.gguf_file or GGUF_FILE
     return args
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows[name] = dict(family=family, max_abs_dlogit=diff, relative=diff / scale, perplexity=ppl,
                           greedy_equal=same, gate=gate)
         if args.steps:
-            lr_scale = recommended_new_param_lr_scale(family)
+            lr_scale = args.new_param_lr_scale or recommended_new_param_lr_scale(family)
             losses = train(model, train_blocks, args.steps, args.batch_size, args.learning_rate, lr_scale)
             rows[name].update(trained_perplexity=perplexity(model, held_out), lr_scale=lr_scale, train_loss=losses)
             print(f"  {args.steps} steps (new parameters at {lr_scale:g}x): train loss {losses[0]:.3f} -> "
