@@ -34,7 +34,7 @@ from transformers.utils import logging
 from depthfusion_hf.data.corpus import load_kjv_chapters, pack_into_blocks, train_bpe_tokenizer
 from depthfusion_hf.families import FAMILIES, causal_lm_families
 from depthfusion_hf.plotting_attnres import depth_attention_labels, plot_depth_attention_heatmap
-from depthfusion_hf.recipes.clm import new_parameter_names
+from depthfusion_hf.recipes.clm import new_parameter_names, recommended_new_param_lr_scale
 
 # The variant each family is upcycled to here (a family added later upcycles with its defaults).
 UPCYCLE_OPTIONS = {
@@ -42,11 +42,6 @@ UPCYCLE_OPTIONS = {
     "moda": {"moda_ffn_kv": True, "ffn_kv_init": "zero"},
     "attnres": {"attnres_block_size": 4},
 }
-# The new-parameter learning-rate scale the upcycling study chose on validation, per family (docs/RESULTS.md,
-# "Upcycling"; 3 seeds, 12 layers, width 64): 10x for the DWA weights and MoDA's FFN-side K/V projections, 1x for
-# AttnRes's pseudo-queries (10x was worse on 2 of 3 seeds) and mHC's connections (10x behind on 3 of 3). A family
-# added later starts at 1x.
-RECOMMENDED_NEW_PARAM_LR_SCALE = {"denseformer": 10.0, "moda": 10.0, "attnres": 1.0, "mhc": 1.0}
 
 
 def train(model, blocks: torch.Tensor, steps: int, lr: float = 3e-3, new_param_lr_scale: float = 1.0,
@@ -130,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, model in {"Llama": llama, **models}.items():
         kind = model.config.model_type
         scale = args.new_param_lr_scale
-        scale = RECOMMENDED_NEW_PARAM_LR_SCALE.get(kind, 1.0) if scale is None else scale
+        scale = recommended_new_param_lr_scale(kind) if scale is None else scale
         losses = train(model, train_blocks, steps=args.steps, new_param_lr_scale=scale, seed=1)
         rate = "" if kind == "llama" else f"   (new parameters at {scale:g}x the rate)"
         print(f"  {name:<28} train loss {losses[0]:.3f} -> {losses[-1]:.3f}   validation loss {val_loss(model):.3f}"

@@ -25,6 +25,8 @@ Examples:
     python scripts/train_clm.py --train_files my.txt --validation_files val.txt
     python scripts/train_clm.py --init_from path/to/llama --model denseformer   # upcycle a Llama (its tokenizer)
     python scripts/train_clm.py --init_from path/to/llama --model attnres --new_param_lr_scale 10
+    python scripts/train_clm.py --init_from HuggingFaceTB/SmolLM2-135M --model mhc          # a Hub id (online)
+    python scripts/train_clm.py --init_from FOLDER --gguf_file model.Q4_1.gguf --model denseformer   # a GGUF file
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from depthfusion_hf.data.corpus import (
     train_bpe_tokenizer,
 )
 from depthfusion_hf.families import FAMILIES, causal_lm_families
+from depthfusion_hf.gguf_source import gguf_float_folder
 from depthfusion_hf.recipes.checkpoints import (
     TOKENIZER_FIELDS,
     architecture_mismatches,
@@ -128,7 +131,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"model config JSON (Llama-style fields; default {DEFAULT_CONFIG.relative_to(REPO)}); on a "
                         "resume, fields given here must match the checkpoint's")
     p.add_argument("--init_from", default=None,
-                   help="upcycle this Llama checkpoint (folder or Hub id); its tokenizer is used")
+                   help="upcycle this Llama checkpoint (folder or Hub id; with --gguf_file a GGUF file in it); its "
+                        "tokenizer is used")
+    p.add_argument("--gguf_file", default=None,
+                   help="with --init_from: the GGUF file in that folder / Hub repository to upcycle (dequantised once "
+                        "into a cached float folder, see depthfusion_hf.gguf_source)")
     p.add_argument("--new_param_lr_scale", type=real(0), default=1.0,
                    help="with --init_from: the parameters the Llama lacks (DWA weights, depth K/V projections, "
                         "AttnRes queries) train at this x --learning_rate; docs/RESULTS.md (upcycling) has the "
@@ -172,6 +179,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         given = [] if kind == args.model else family_kwargs(kind, args)
         if given:
             p.error(f"--{next(iter(given))} is an option of --model {kind}, not of --model {args.model}")
+    if args.gguf_file is not None and args.init_from is None:
+        p.error("--gguf_file names a file in the --init_from folder / Hub repository: give --init_from with it")
     if args.new_param_lr_scale != 1.0 and args.init_from is None:
         p.error("--new_param_lr_scale applies to upcycling: give --init_from (a Llama checkpoint) with it")
     try:
@@ -280,6 +289,8 @@ def check_baseline_checkpoint(checkpoint: str, baseline) -> None:
 def main(argv: list[str] | None = None) -> dict:
     """Run the comparison; returns the results written to ``<output_dir>/results.json``."""
     args = parse_args(argv)
+    if args.gguf_file is not None:  # from here on the Llama is its cached float folder (its tokenizer included)
+        args.init_from = str(gguf_float_folder(args.init_from, args.gguf_file))
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

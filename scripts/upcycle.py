@@ -3,7 +3,8 @@
 
 1. Pre-training: a Llama of ``--layers`` blocks trained with the causal-LM recipe for ``--pretrain_steps`` on the
    first half of the training blocks, saved to ``<output_dir>/pretrain/final`` (skipped when that run is stored);
-   or ``--init_from`` any local Llama checkpoint folder holding its tokenizer.
+   or ``--init_from`` any Llama checkpoint holding its tokenizer: a folder, a Hub id, or with ``--gguf_file`` a
+   GGUF file in that folder / Hub repository (dequantised once into a cached float folder).
 2. Continuation, for each seed of ``--seeds``: the same number of steps (``--max_steps``, default: the
    pre-training steps) on the second half of the training blocks, (a) as the Llama, (b)-(c) upcycled with the
    registry's ``from_llama`` (``convert.llama_to_denseformer`` / ``llama_to_moda`` / ``llama_to_attnres``) to
@@ -28,8 +29,9 @@ estimated 45-60 min on the 2-core machine: 29 runs x 200 steps at 0.22-0.63 s/st
 ``--new_param_lr_scale 10`` alone (the scale to try first) roughly halves it. The seeds vary the continuation's
 data order; the pre-trained Llama is one (``--pretrain_seed``).
 
-From a local Llama (its tokenizer in the same folder):
+From a local Llama (its tokenizer in the same folder), or a GGUF file:
     python scripts/upcycle.py --init_from path/to/llama --max_steps 1000 --dataset plays
+    python scripts/upcycle.py --init_from FOLDER --gguf_file model.Q4_1.gguf --models denseformer:1x1,mhc
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, set_seed
 
+from depthfusion_hf.gguf_source import gguf_float_folder
 from depthfusion_hf.recipes.clm import BASELINE, TrainSettings, build_model, load_arch, train_one
 from depthfusion_hf.recipes.study.data import prepare_study_data
 from depthfusion_hf.recipes.study.grids import run_continuations
@@ -61,7 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="continuation seeds (data order)")
     p.add_argument("--new_param_lr_scale", type=float, nargs="+", default=[1.0, 10.0],
                    help="learning-rate multipliers for the new parameters (each one a run; chosen on validation)")
-    p.add_argument("--init_from", default=None, help="a local Llama checkpoint (with its tokenizer) to continue")
+    p.add_argument("--init_from", default=None,
+                   help="a Llama checkpoint (folder or Hub id, with its tokenizer) to continue")
+    p.add_argument("--gguf_file", default=None, help="with --init_from: a GGUF file in that folder / Hub repository")
     p.add_argument("--layers", type=int, default=12, help="depth of the pre-trained Llama")
     p.add_argument("--pretrain_steps", type=int, default=200)
     p.add_argument("--pretrain_seed", type=int, default=0)
@@ -90,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.specs = parse_model_list(args.models, [] if args.init_from else [args.layers])
     except ValueError as error:
         p.error(str(error))
+    if args.gguf_file is not None and args.init_from is None:
+        p.error("--gguf_file names a file in the --init_from folder / Hub repository: give --init_from with it")
     args.max_steps = args.max_steps if args.max_steps is not None else args.pretrain_steps
     for name in ("max_steps", "pretrain_steps", "eval_steps", "batch_size", "layers"):
         if getattr(args, name) < 1:
@@ -144,6 +151,8 @@ def pretrain(args: argparse.Namespace, data, out: Path, arch: dict) -> Path:
 def main(argv: list[str] | None = None) -> str:
     """Pre-train (or take ``--init_from``), continue every model, write the report; returns the markdown."""
     args = parse_args(argv)
+    if args.gguf_file is not None:  # from here on the Llama is its cached float folder (its tokenizer included)
+        args.init_from = str(gguf_float_folder(args.init_from, args.gguf_file))
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,7 +162,7 @@ def main(argv: list[str] | None = None) -> str:
                               args.block_size, args.max_train_blocks, args.max_eval_blocks, carve_test=True,
                               tokenizer=tokenizer, dataset_config=args.dataset_config, text_column=args.text_column)
     print(f"data: {data.info}", flush=True)
-    llama_path = Path(args.init_from) if args.init_from else pretrain(args, data, out, arch)
+    llama_path = args.init_from if args.init_from else pretrain(args, data, out, arch)
     _, second = halves(data.train)
     label = "files: " + ", ".join(args.train_files) if args.train_files else args.dataset
     store_settings = dict(

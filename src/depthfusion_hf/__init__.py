@@ -18,6 +18,7 @@ from .models.modeling_denseformer import DenseFormerForCausalLM, DenseFormerMode
 from .models.modeling_dwatt import DWAttForTokenClassification
 from .models.modeling_mhc import MHCForCausalLM, MHCModel
 from .models.modeling_moda import MoDAForCausalLM, MoDAModel
+from .upcycling import source_tokenizer, upcycle
 
 __version__ = "0.1.0"
 
@@ -50,4 +51,6 @@ __all__ = [
     "MHCConfig",
     "MHCForCausalLM",
     "MHCModel",
+    "source_tokenizer",
+    "upcycle",
 ]

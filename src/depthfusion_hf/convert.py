@@ -19,6 +19,8 @@ from .models.modeling_denseformer import DenseFormerForCausalLM
 from .models.modeling_moda import MoDAForCausalLM
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+# What loading a Llama from a folder / Hub id may be told (``from_pretrained`` keywords); anything else is refused.
+LOAD_OPTIONS = ("gguf_file", "dtype", "attn_implementation") + _HUB_KWARGS
 
 
 def _not_a_llama(found: str) -> ValueError:
@@ -28,28 +30,68 @@ def _not_a_llama(found: str) -> ValueError:
     )
 
 
+def check_float_weights(model: torch.nn.Module) -> None:
+    """Refuse a model whose weights are quantized: conversion copies float tensors.
+
+    A GGUF file loaded by transformers is dequantised to float but keeps its ``quantization_config``; such a model
+    passes (the converted model's config drops the setting, :func:`llama_config_fields`). Packed weights (a GGUF
+    kept in blocks, bitsandbytes, ...) are refused.
+
+    Raises:
+        ValueError: naming the quantization method and the first packed parameter.
+    """
+    packed = next((name for name, p in model.named_parameters() if not p.is_floating_point()), None)
+    method = getattr(getattr(model.config, "quantization_config", None), "quant_method", None)
+    method = getattr(method, "value", method)
+    if packed is not None or (getattr(model, "is_quantized", False) and method != "gguf"):
+        raise ValueError(
+            f"the Llama holds quantized weights (quant_method {method!r}{f', e.g. {packed}' if packed else ''}); "
+            "conversion needs float weights: load it unquantized, or pass the GGUF file as "
+            "upcycle(folder, family, gguf_file=...)"
+        )
+
+
 def load_llama(model_or_path: LlamaForCausalLM | str | os.PathLike, **load_kwargs) -> LlamaForCausalLM:
-    """Return a ``LlamaForCausalLM``: the object itself, or loaded from a folder / Hub id.
+    """Return a ``LlamaForCausalLM``: the object itself, or loaded from a folder / Hub id (with ``gguf_file``: from
+    that GGUF file in the folder / Hub repository, through its cached float copy, see
+    :func:`depthfusion_hf.gguf_source.gguf_float_folder`).
 
     A folder is checked before any weight is loaded: its ``config.json`` must say ``model_type: llama``,
     and every Llama weight must be found in it, so that a non-Llama checkpoint (a BERT, a DenseFormer,
     a MoDA, ...) or a folder without weights is refused instead of yielding a randomly initialised model.
 
+    Args:
+        load_kwargs: :data:`LOAD_OPTIONS` only (``gguf_file``, ``dtype``, ``attn_implementation`` and the Hub
+            download options), for a folder / Hub id only.
     Raises:
         ValueError: ``model_or_path`` is a model other than a ``LlamaForCausalLM`` (names its class and
-            ``model_type``), a folder whose config is not a Llama's (names the ``model_type`` and
-            ``architectures`` found), or a checkpoint that lacks Llama weights (names them).
-        OSError: the folder / Hub id has no ``config.json`` or no weights (from transformers).
+            ``model_type``) or one with quantized weights, a folder whose config is not a Llama's (names the
+            ``model_type`` and ``architectures`` found), or a checkpoint that lacks Llama weights (names them);
+            a loading option that is not one of :data:`LOAD_OPTIONS`, or any loading option with a model object.
+        OSError: the folder / Hub id has no ``config.json`` or no weights, or no such GGUF file (from transformers).
     """
+    unknown = sorted(set(load_kwargs) - set(LOAD_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown loading option(s) {unknown}; the loading options are {list(LOAD_OPTIONS)}")
     if isinstance(model_or_path, torch.nn.Module):
+        if load_kwargs:
+            raise ValueError(f"loading options {sorted(load_kwargs)} apply to a folder or Hub id; got a model object")
         # our families subclass LlamaForCausalLM: the model_type tells a Llama
         model_type = getattr(getattr(model_or_path, "config", None), "model_type", None)
         if isinstance(model_or_path, LlamaForCausalLM) and model_type == "llama":
+            check_float_weights(model_or_path)
             return model_or_path
         raise _not_a_llama(f"a {type(model_or_path).__name__} object (model_type {model_type!r})")
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise ValueError(f"expected a LlamaForCausalLM, a folder or a Hub id; got {type(model_or_path).__name__}")
     hub_kwargs = {key: load_kwargs[key] for key in _HUB_KWARGS if key in load_kwargs}
+    gguf_file = load_kwargs.pop("gguf_file", None)
+    if gguf_file is not None:
+        from .gguf_source import gguf_float_folder
+
+        model_or_path = gguf_float_folder(model_or_path, gguf_file, **hub_kwargs)
+        load_kwargs = {key: value for key, value in load_kwargs.items() if key not in _HUB_KWARGS}
+        hub_kwargs = {}
     config_dict, _ = PreTrainedConfig.get_config_dict(model_or_path, **hub_kwargs)
     model_type = config_dict.get("model_type")
     if model_type != "llama":
@@ -64,13 +106,17 @@ def load_llama(model_or_path: LlamaForCausalLM | str | os.PathLike, **load_kwarg
             f"{os.fspath(model_or_path)!r} has a Llama config but lacks {len(missing)} Llama weight(s) ({shown}); "
             "converting it would start those from random values"
         )
+    check_float_weights(llama)
     return llama
 
 
 def llama_config_fields(config: LlamaConfig) -> dict:
-    """The Llama config as a dict without ``model_type``/``architectures``/transformers bookkeeping."""
+    """The Llama config as a dict without ``model_type``/``architectures``/transformers bookkeeping, and without
+    ``quantization_config``: a converted model's weights are float (a GGUF load dequantises them), and the setting
+    would make it refuse ``save_pretrained`` and load wrongly."""
     fields = config.to_dict()
-    for key in ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path"):
+    for key in ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path",
+                "quantization_config"):
         fields.pop(key, None)
     return fields
 
@@ -347,11 +393,15 @@ def llama_to_mhc(
     them apart). Then sub-layer s reads ``rho^s`` times the Llama's residual stream, which its pre-norm (and the
     final norm) reads back up to the norm's epsilon: in exact arithmetic the converted model computes the Llama's
     logits up to that epsilon, as close as the parametrisation allows (rho < 1 is forced by the Sinkhorn
-    denominators' eps, and compensated by ``post``). What remains is rounding: max |Δlogits| <= 2e-6 of the
-    logits' scale (max |logits|) in float32 and in float64, where it is the float32 rounding inside transformers'
-    LlamaRMSNorm (measured on random tiny Llamas: 6e-7 and 1.7e-7; with float64 norms and rms_norm_eps -> 0:
-    1e-12; tests/mhc/test_remote_code_and_convert.py, docs/MHC.md). The hyper-connection parameters are float32
-    (float64 for a float64 Llama) whatever the Llama's dtype.
+    denominators' eps, and compensated by ``post``). What remains is float32 rounding (in a float64 model too: the
+    float32 inside transformers' LlamaRMSNorm), and it grows with depth. Max |Δlogits| over the logits' scale
+    (max |logits|): random tiny Llamas 6e-7 in float32, 1.7e-7 in float64 (1e-12 with float64 norms and
+    rms_norm_eps -> 0; tests/mhc/test_remote_code_and_convert.py, docs/MHC.md), bound 2e-6; real weights
+    (SmolLM2-135M-Instruct, float32): its first 2 layers 4.7e-7 (bound 2e-6, tests/recipes/
+    test_upcycle_real_weights.py), all 30 layers 3.5e-6 to 5.9e-6 on held-out text (1.45e-4 to 1.9e-4 absolute;
+    examples/upcycle_pretrained.py, docs/RESULTS.md): so about 2e-7 per layer, 1e-5 for a 30-layer model. Greedy
+    text and perplexity (to 4 digits) are the Llama's. The hyper-connection parameters are float32 (float64 for a
+    float64 Llama) whatever the Llama's dtype.
 
     Args:
         model_or_path: the Llama model, or anything ``LlamaForCausalLM.from_pretrained`` accepts.
@@ -385,3 +435,4 @@ def llama_to_mhc(
 
 
 __all__ += ["llama_to_mhc"]
+__all__ += ["LOAD_OPTIONS", "check_float_weights"]

@@ -173,6 +173,18 @@ def start_from_seeded_llama(model: PreTrainedModel, tokenizer, seed: int) -> boo
 
 
 
+# The learning-rate multiple of the parameters a Llama lacks when a family is upcycled, chosen on validation by the
+# upcycling study (docs/RESULTS.md, "Upcycling"; 3 seeds, 12 layers, width 64): 10x for the DWA weights and MoDA's
+# FFN-side K/V projections, 1x for AttnRes's pseudo-queries (10x was worse on 2 of 3 seeds) and mHC's connections
+# (10x behind on 3 of 3). A family without an entry starts at 1x.
+RECOMMENDED_NEW_PARAM_LR_SCALE = {"denseformer": 10.0, "moda": 10.0, "attnres": 1.0, "mhc": 1.0}
+
+
+def recommended_new_param_lr_scale(kind: str) -> float:
+    """The new parameters' learning-rate multiple for an upcycled ``kind`` (1 for the Llama and unlisted families)."""
+    return RECOMMENDED_NEW_PARAM_LR_SCALE.get(kind, 1.0)
+
+
 def new_parameter_names(model: PreTrainedModel, llama_names: Iterable[str] | None = None) -> list[str]:
     """Names of ``model``'s parameters that a Llama does not have: what depth fusion added (DWA weights, MoDA's
     FFN-side K/V projections, AttnRes pseudo-queries and key norms).
@@ -476,6 +488,7 @@ def results_table(results: list[RunResult]) -> str:
 __all__ = [
     "DepthFusionTrainer",
     "MODEL_KINDS",
+    "RECOMMENDED_NEW_PARAM_LR_SCALE",
     "RunResult",
     "TrainSettings",
     "baseline_arch",
@@ -485,6 +498,7 @@ __all__ = [
     "get_last_checkpoint",
     "is_main_process",
     "load_arch",
+    "recommended_new_param_lr_scale",
     "results_table",
     "sharded_training",
     "start_from_seeded_llama",
