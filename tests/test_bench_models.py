@@ -66,12 +66,10 @@ def test_same_function_check_passes_fails_and_says_when_parameters_differ():
 
 
 def fake_checkout(tmp_path: Path) -> Path:
-    """Another checkout: this one's decoder family folders, copied (the same function, imported under new names)."""
+    """Another checkout: this one's models folder, copied (the same functions, imported under new names)."""
     checkout = tmp_path / "before"
-    for family in ("denseformer", "attnres", "moda"):
-        shutil.copytree(REPO / "src" / "depthfusion_hf" / "models" / family,
-                        checkout / "src" / "depthfusion_hf" / "models" / family,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "src" / "depthfusion_hf" / "models", checkout / "src" / "depthfusion_hf" / "models",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     return checkout
 
 

@@ -27,6 +27,12 @@ EXPECTED_OUTPUT = {
     "mhc_hyper_connections.py": ["[mHC n4]", "mHC n4: streams [1, 48, 4, 64]", "comb columns sum to 1 within",
                                  "Llama -> mhc n4  max |Δlogits|", "greedy (same with and without the cache)",
                                  "-> MHCForCausalLM: max |Δlogits| 0.0e+00"],
+    "upcycle_pretrained.py": ["moda: max |Δlogit| 0 (relative 0)", "mhc n4: max |Δlogit|", "gate pass"],
+}
+# Arguments that keep an example within the ceiling below (the real 135M model: two families, one training step).
+EXAMPLE_ARGS = {
+    "upcycle_pretrained.py": ["--families", "moda,mhc", "--steps", "1", "--batch_size", "1", "--block_size", "64",
+                              "--eval_blocks", "1", "--eval_block_size", "128", "--max_new_tokens", "4"],
 }
 # A generous ceiling against hangs; the examples are meant to take well under two minutes on a free CPU.
 TIMEOUT_S = 300
@@ -71,7 +77,8 @@ def test_example_runs(path, tmp_path):
            "HF_HOME": str(tmp_path / "hf_home"), "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false",
            "HOME": str(tmp_path), "MPLBACKEND": "Agg", "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(Path("examples") / path.name)], cwd=checkout, env=env,
+    proc = subprocess.run([sys.executable, str(Path("examples") / path.name), *EXAMPLE_ARGS.get(path.name, [])],
+                          cwd=checkout, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     seconds = time.perf_counter() - start
     print(f"{path.name}: {seconds:.1f} s")

@@ -172,7 +172,6 @@ def start_from_seeded_llama(model: PreTrainedModel, tokenizer, seed: int) -> boo
     return load_llama_start(model, build_model(BASELINE, baseline_arch(model), tokenizer).state_dict())
 
 
-
 # The learning-rate multiple of the parameters a Llama lacks when a family is upcycled, chosen on validation by the
 # upcycling study (docs/RESULTS.md, "Upcycling"; 3 seeds, 12 layers, width 64): 10x for the DWA weights and MoDA's
 # FFN-side K/V projections, 1x for AttnRes's pseudo-queries (10x was worse on 2 of 3 seeds) and mHC's connections
@@ -486,23 +485,8 @@ def results_table(results: list[RunResult]) -> str:
 
 
 __all__ = [
-    "DepthFusionTrainer",
-    "MODEL_KINDS",
-    "RECOMMENDED_NEW_PARAM_LR_SCALE",
-    "RunResult",
-    "TrainSettings",
-    "baseline_arch",
-    "build_config",
-    "build_model",
-    "family_kwargs",
-    "get_last_checkpoint",
-    "is_main_process",
-    "load_arch",
-    "recommended_new_param_lr_scale",
-    "results_table",
-    "sharded_training",
-    "start_from_seeded_llama",
-    "train_one",
-    "training_arguments",
-    "unsharded_model",
+    "DepthFusionTrainer", "MODEL_KINDS", "RECOMMENDED_NEW_PARAM_LR_SCALE", "RunResult", "TrainSettings",
+    "baseline_arch", "build_config", "build_model", "family_kwargs", "get_last_checkpoint", "is_main_process",
+    "load_arch", "recommended_new_param_lr_scale", "results_table", "sharded_training", "start_from_seeded_llama",
+    "train_one", "training_arguments", "unsharded_model",
 ]
