@@ -17,8 +17,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from transformers import AutoTokenizer, GgufConfig, LlamaForCausalLM, PreTrainedConfig
+from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedConfig
 from transformers.utils import cached_file
+
+try:  # newer transformers ask for dequantisation; older ones (5.16.1 has no GgufConfig) always dequantise a GGUF file
+    from transformers import GgufConfig
+
+    DEQUANTISE = {"quantization_config": GgufConfig(dequantize=True)}
+except ImportError:
+    DEQUANTISE = {}
 
 CACHE_ENV = "DEPTHFUSION_HF_CACHE"
 SOURCE_FILE = "gguf_source.json"
@@ -80,8 +87,7 @@ def gguf_float_folder(model_or_path: str | os.PathLike, gguf_file: str, **hub_kw
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        llama = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 quantization_config=GgufConfig(dequantize=True))
+        llama = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **DEQUANTISE)
         drop_quantization_settings(llama)
         llama.save_pretrained(staging)
         AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(staging)
