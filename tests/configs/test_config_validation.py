@@ -100,10 +100,13 @@ def test_a_key_with_the_familys_option_prefix_is_an_error_naming_the_nearest_opt
         AutoConfig.from_pretrained(tmp_path)
 
 
-def test_a_decoder_config_without_an_option_prefix_is_refused_when_defined():
-    """The unknown-option check reads each config's own `option_prefix`: a new family cannot forget it."""
+def test_a_decoder_config_without_an_option_prefix_is_refused_when_built():
+    """The unknown-option check reads each config's own `option_prefix`: a new family cannot forget it. Defining the
+    class is allowed (cloudpickle, in vLLM's engine process, rebuilds a class before it sets its attributes)."""
+    new_family = type("NewFamilyConfig", (DecoderConfigMixin, LlamaConfig), {"model_type": "new"})
     with pytest.raises(TypeError, match="must set `option_prefix`"):
-        type("NewFamilyConfig", (DecoderConfigMixin, LlamaConfig), {"model_type": "new"})
+        new_family()
+    assert new_family not in DECODER_CONFIGS
     assert {cls.__name__ for cls in DECODER_CONFIGS} >= {cls.__name__ for cls in CLASSES.values()}
 
 

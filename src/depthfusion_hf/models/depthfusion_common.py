@@ -95,8 +95,10 @@ def check_unknown_options(config_class: type, extra_keys) -> None:
     Other unknown keys pass: transformers and users keep their own keys in configs (``auto_map``, ``torch_dtype``,
     tokenizer ids, notes). The error names the key and the nearest valid field.
     """
+    prefix = getattr(config_class, "option_prefix", None)
+    if not isinstance(prefix, str) or not prefix:
+        raise TypeError(f"{config_class.__name__} must set `option_prefix`, the prefix of its option names")
     options = family_options(config_class)
-    prefix = config_class.option_prefix
     others = [other for other in DECODER_CONFIGS if not issubclass(config_class, other)]
     for key in extra_keys:
         near_option = ([name for name in options if one_typo_apart(key, name)]
@@ -199,9 +201,9 @@ class DecoderConfigMixin:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if not isinstance(getattr(cls, "option_prefix", None), str) or not cls.option_prefix:
-            raise TypeError(f"{cls.__name__} must set `option_prefix`, the prefix of its option names")
-        DECODER_CONFIGS.append(cls)
+        # Not refused here: cloudpickle (vLLM's engine process) rebuilds the class first and sets its attributes after.
+        if isinstance(cls.__dict__.get("option_prefix"), str) and cls.option_prefix:
+            DECODER_CONFIGS.append(cls)
 
     def __post_init__(self, **kwargs):
         # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
