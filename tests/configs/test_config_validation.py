@@ -20,15 +20,15 @@ from transformers.activations import ACT2FN
 
 from depthfusion_hf import AttnResConfig, DenseFormerConfig, MHCConfig, MoDAConfig
 from depthfusion_hf.models.depthfusion_common import (
-    DECODER_CONFIGS,
     DecoderConfigMixin,
     check_unknown_options,
+    decoder_configs,
     one_typo_apart,
 )
 
 CLASSES = {"denseformer": DenseFormerConfig, "moda": MoDAConfig, "attnres": AttnResConfig, "mhc": MHCConfig}
 # The prefixes of the decoder families' options (each config declares its own `option_prefix`).
-OPTION_PREFIXES = tuple(cls.option_prefix for cls in DECODER_CONFIGS)
+OPTION_PREFIXES = tuple(cls.option_prefix for cls in decoder_configs())
 TINY = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
 SETTINGS = dict(max_examples=40, deadline=None, derandomize=True, database=None)
 
@@ -106,8 +106,8 @@ def test_a_decoder_config_without_an_option_prefix_is_refused_when_built():
     new_family = type("NewFamilyConfig", (DecoderConfigMixin, LlamaConfig), {"model_type": "new"})
     with pytest.raises(TypeError, match="must set `option_prefix`"):
         new_family()
-    assert new_family not in DECODER_CONFIGS
-    assert {cls.__name__ for cls in DECODER_CONFIGS} >= {cls.__name__ for cls in CLASSES.values()}
+    assert new_family not in decoder_configs()
+    assert {cls.__name__ for cls in decoder_configs()} >= {cls.__name__ for cls in CLASSES.values()}
 
 
 # Keys transformers, the Hub and users keep in configs: they must keep loading.
@@ -135,7 +135,7 @@ def test_an_unknown_key_far_from_every_option_passes(kind, key):
 
     cls = CLASSES[kind]
     fields = {f.name for f in dataclasses.fields(cls)}
-    every_option = {name for other in DECODER_CONFIGS for name in options(other)}
+    every_option = {name for other in decoder_configs() for name in options(other)}
     looks_like_an_option = (difflib.get_close_matches(key, options(cls), n=1, cutoff=0.85)
                             or any(one_typo_apart(key, name) for name in options(cls))
                             or key.startswith(OPTION_PREFIXES) or key in every_option)

@@ -42,8 +42,6 @@ OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 POSITIVE_ROPE_PARAMETERS = ("rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
                             "high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "partial_rotary_factor",
                             "short_factor", "long_factor")
-# The decoder configs built on DecoderConfigMixin, in definition order: each one's options are refused by the others.
-DECODER_CONFIGS: list[type] = []
 
 
 def check_positive_int(name: str, value, upper: int | None = None, upper_name: str | None = None) -> None:
@@ -99,7 +97,7 @@ def check_unknown_options(config_class: type, extra_keys) -> None:
     if not isinstance(prefix, str) or not prefix:
         raise TypeError(f"{config_class.__name__} must set `option_prefix`, the prefix of its option names")
     options = family_options(config_class)
-    others = [other for other in DECODER_CONFIGS if not issubclass(config_class, other)]
+    others = [other for other in decoder_configs() if not issubclass(config_class, other)]
     for key in extra_keys:
         near_option = ([name for name in options if one_typo_apart(key, name)]
                        or difflib.get_close_matches(key, options, n=1, cutoff=0.85))
@@ -198,12 +196,6 @@ class DecoderConfigMixin:
     """
 
     option_prefix: str
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        # Not refused here: cloudpickle (vLLM's engine process) rebuilds the class first and sets its attributes after.
-        if isinstance(cls.__dict__.get("option_prefix"), str) and cls.option_prefix:
-            DECODER_CONFIGS.append(cls)
 
     def __post_init__(self, **kwargs):
         # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
@@ -428,3 +420,15 @@ def backend_per_device(resolve: Callable[..., str], config_backend: str | None) 
         return chosen[device]
 
     return backend_on
+
+
+def decoder_configs() -> list[type]:
+    """Every class below :class:`DecoderConfigMixin` that declares its ``option_prefix`` (read from the class tree,
+    no registry; a class without one is refused when built, by :func:`check_unknown_options`)."""
+    found, pending = [], DecoderConfigMixin.__subclasses__()
+    while pending:
+        cls = pending.pop(0)
+        pending += cls.__subclasses__()
+        if isinstance(cls.__dict__.get("option_prefix"), str) and cls.option_prefix:
+            found.append(cls)
+    return found
