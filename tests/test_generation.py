@@ -73,8 +73,11 @@ def test_left_padded_batch_matches_single_sequences(model):
     batched = generate(model, batch, mask, do_sample=False)
     alone_short = generate(model, short, do_sample=False)
     alone_long = generate(model, long, do_sample=False)
-    assert torch.equal(batched.sequences[0, 3:], alone_short.sequences[0])
-    assert torch.equal(batched.sequences[1], alone_long.sequences[0])
+    # A sequence that ends (eos) before the longest one is padded after its end in the batch.
+    ended = alone_short.sequences.shape[1]
+    assert torch.equal(batched.sequences[0, 3:3 + ended], alone_short.sequences[0])
+    assert (batched.sequences[0, 3 + ended:] == model.generation_config.pad_token_id).all()
+    assert torch.equal(batched.sequences[1, :alone_long.sequences.shape[1]], alone_long.sequences[0])
     for step, (a, b) in enumerate(zip(batched.scores, alone_short.scores)):
         torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-4, msg=f"step {step}")
     uncached = generate(model, batch, mask, use_cache=False, do_sample=False)

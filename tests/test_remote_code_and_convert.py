@@ -143,7 +143,7 @@ def test_converted_model_holds_the_llamas_weights(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_conversion_rejects_what_it_cannot_convert(family):
     convert = get_family(family).from_llama
-    with pytest.raises(ValueError, match="expected a LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="expected the causal LM of a supported backbone"):
         convert(torch.nn.Linear(2, 2))
     llama = tiny_llama(family)
     for kwargs, message in CASES[family].conversion_rejects:

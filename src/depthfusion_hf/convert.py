@@ -1,8 +1,11 @@
-"""Upcycle Llama checkpoints into depth-fusion models.
+"""Upcycle pretrained decoders (Llama, or another supported backbone: ``models.backbones.BACKBONES``) into
+depth-fusion models.
 
-A DenseFormer is a Llama whose layer loop has DWA steps in it, and all its Llama weights keep their
-names, so conversion copies the state dict; the DWA weights start as the identity, which makes the
-converted model's logits equal the Llama's.
+A family model is built from its backbone's own modules under their names (a DenseFormer is the backbone whose layer
+loop has DWA steps in it), so conversion copies the state dict; the family's new parameters start at their
+conversion init (the DWA as the identity, which makes the converted model's logits equal the source's). The
+``llama_to_*`` converters take any supported backbone: a Llama source gives a family config of Llama fields (as
+before backbones existed), another gives one whose ``backbone_config`` is the source's config.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import copy
 import os
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedConfig
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from .models.backbones import BACKBONES
 from .models.configuration_denseformer import DenseFormerConfig
 from .models.configuration_moda import MoDAConfig
 from .models.modeling_denseformer import DenseFormerForCausalLM
@@ -23,10 +28,11 @@ _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "re
 LOAD_OPTIONS = ("gguf_file", "dtype", "attn_implementation") + _HUB_KWARGS
 
 
-def _not_a_llama(found: str) -> ValueError:
+def _not_a_source(found: str) -> ValueError:
     return ValueError(
-        f"expected a LlamaForCausalLM (a Llama checkpoint, model_type 'llama'); got {found}. Only Llama "
-        "checkpoints can be converted: their weights are what the converted model reuses"
+        f"expected the causal LM of a supported backbone (model_type one of {list(BACKBONES)}, e.g. a "
+        f"LlamaForCausalLM); got {found}. Only those checkpoints can be converted: their weights are what the "
+        "converted model reuses"
     )
 
 
@@ -34,7 +40,7 @@ def check_float_weights(model: torch.nn.Module) -> None:
     """Refuse a model whose weights are quantized: conversion copies float tensors.
 
     A GGUF file loaded by transformers is dequantised to float but keeps its ``quantization_config``; such a model
-    passes (the converted model's config drops the setting, :func:`llama_config_fields`). Packed weights (a GGUF
+    passes (the converted model's config drops the setting, :func:`source_config_fields`). Packed weights (a GGUF
     kept in blocks, bitsandbytes, ...) are refused.
 
     Raises:
@@ -51,22 +57,23 @@ def check_float_weights(model: torch.nn.Module) -> None:
         )
 
 
-def load_llama(model_or_path: LlamaForCausalLM | str | os.PathLike, **load_kwargs) -> LlamaForCausalLM:
-    """Return a ``LlamaForCausalLM``: the object itself, or loaded from a folder / Hub id (with ``gguf_file``: from
+def load_source(model_or_path: PreTrainedModel | str | os.PathLike, **load_kwargs) -> PreTrainedModel:
+    """Return the causal LM of a supported backbone (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ...): the object
+    itself, or loaded from a folder / Hub id (with ``gguf_file``: from
     that GGUF file in the folder / Hub repository, through its cached float copy, see
     :func:`depthfusion_hf.gguf_source.gguf_float_folder`).
 
-    A folder is checked before any weight is loaded: its ``config.json`` must say ``model_type: llama``,
-    and every Llama weight must be found in it, so that a non-Llama checkpoint (a BERT, a DenseFormer,
+    A folder is checked before any weight is loaded: its ``config.json`` must name a supported backbone's
+    ``model_type``, and every weight must be found in it, so that another checkpoint (a BERT, a DenseFormer,
     a MoDA, ...) or a folder without weights is refused instead of yielding a randomly initialised model.
 
     Args:
         load_kwargs: :data:`LOAD_OPTIONS` only (``gguf_file``, ``dtype``, ``attn_implementation`` and the Hub
             download options), for a folder / Hub id only.
     Raises:
-        ValueError: ``model_or_path`` is a model other than a ``LlamaForCausalLM`` (names its class and
-            ``model_type``) or one with quantized weights, a folder whose config is not a Llama's (names the
-            ``model_type`` and ``architectures`` found), or a checkpoint that lacks Llama weights (names them);
+        ValueError: ``model_or_path`` is a model other than a supported backbone's causal LM (names its class and
+            ``model_type``) or one with quantized weights, a folder whose config is not one (names the
+            ``model_type`` and ``architectures`` found), or a checkpoint that lacks weights (names them);
             a loading option that is not one of :data:`LOAD_OPTIONS`, or any loading option with a model object.
         OSError: the folder / Hub id has no ``config.json`` or no weights, or no such GGUF file (from transformers).
     """
@@ -76,14 +83,16 @@ def load_llama(model_or_path: LlamaForCausalLM | str | os.PathLike, **load_kwarg
     if isinstance(model_or_path, torch.nn.Module):
         if load_kwargs:
             raise ValueError(f"loading options {sorted(load_kwargs)} apply to a folder or Hub id; got a model object")
-        # our families subclass LlamaForCausalLM: the model_type tells a Llama
-        model_type = getattr(getattr(model_or_path, "config", None), "model_type", None)
-        if isinstance(model_or_path, LlamaForCausalLM) and model_type == "llama":
+        # our families subclass LlamaForCausalLM: the model_type tells a backbone
+        config = getattr(model_or_path, "config", None)
+        model_type = getattr(config, "model_type", None)
+        if model_type in BACKBONES and isinstance(model_or_path, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]):
             check_float_weights(model_or_path)
             return model_or_path
-        raise _not_a_llama(f"a {type(model_or_path).__name__} object (model_type {model_type!r})")
+        raise _not_a_source(f"a {type(model_or_path).__name__} object (model_type {model_type!r})")
     if not isinstance(model_or_path, (str, os.PathLike)):
-        raise ValueError(f"expected a LlamaForCausalLM, a folder or a Hub id; got {type(model_or_path).__name__}")
+        raise ValueError(f"expected a causal LM of {list(BACKBONES)}, a folder or a Hub id; got "
+                         f"{type(model_or_path).__name__}")
     hub_kwargs = {key: load_kwargs[key] for key in _HUB_KWARGS if key in load_kwargs}
     gguf_file = load_kwargs.pop("gguf_file", None)
     if gguf_file is not None:
@@ -94,30 +103,37 @@ def load_llama(model_or_path: LlamaForCausalLM | str | os.PathLike, **load_kwarg
         hub_kwargs = {}
     config_dict, _ = PreTrainedConfig.get_config_dict(model_or_path, **hub_kwargs)
     model_type = config_dict.get("model_type")
-    if model_type != "llama":
+    if model_type not in BACKBONES:
         architectures = config_dict.get("architectures")
-        raise _not_a_llama(f"{os.fspath(model_or_path)!r} holding model_type {model_type!r} "
+        raise _not_a_source(f"{os.fspath(model_or_path)!r} holding model_type {model_type!r} "
                            f"(architectures {architectures})")
-    llama, info = LlamaForCausalLM.from_pretrained(model_or_path, output_loading_info=True, **load_kwargs)
+    source, info = AutoModelForCausalLM.from_pretrained(model_or_path, output_loading_info=True, **load_kwargs)
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(
-            f"{os.fspath(model_or_path)!r} has a Llama config but lacks {len(missing)} Llama weight(s) ({shown}); "
-            "converting it would start those from random values"
+            f"{os.fspath(model_or_path)!r} has a {model_type} config but lacks {len(missing)} of its weight(s) "
+            f"({shown}); converting it would start those from random values"
         )
-    check_float_weights(llama)
-    return llama
+    check_float_weights(source)
+    return source
 
 
-def llama_config_fields(config: LlamaConfig) -> dict:
-    """The Llama config as a dict without ``model_type``/``architectures``/transformers bookkeeping, and without
-    ``quantization_config``: a converted model's weights are float (a GGUF load dequantises them), and the setting
-    would make it refuse ``save_pretrained`` and load wrongly."""
+def source_config_fields(config: PreTrainedConfig) -> dict:
+    """A family config's fields for a source's (or a family's) config: Llama fields (a Llama, or a family on the
+    default Llama backbone), or ``{"backbone_config": the backbone's fields}`` (another backbone, or a family built on
+    one). Without ``architectures``/transformers bookkeeping, and without ``quantization_config``: a converted
+    model's weights are float (a GGUF load dequantises them), and the setting would make it refuse
+    ``save_pretrained`` and load wrongly."""
     fields = config.to_dict()
-    for key in ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path",
-                "quantization_config"):
+    for key in ("architectures", "transformers_version", "auto_map", "_name_or_path", "quantization_config"):
         fields.pop(key, None)
+    if fields.get("model_type") in BACKBONES and fields["model_type"] != "llama":
+        return {"backbone_config": fields}
+    if fields.get("backbone_config") is not None:
+        return {"backbone_config": source_config_fields(config.backbone_config)["backbone_config"]}
+    fields.pop("model_type", None)
+    fields.pop("backbone_config", None)
     return fields
 
 
@@ -181,8 +197,8 @@ def llama_to_denseformer(
     Returns:
         A ``DenseFormerForCausalLM`` on the Llama's device and dtype, in eval mode if the Llama was.
     """
-    llama = load_llama(model_or_path, **load_kwargs)
-    fields = llama_config_fields(llama.config)
+    llama = load_source(model_or_path, **load_kwargs)
+    fields = source_config_fields(llama.config)
     config = DenseFormerConfig(**fields, dwa_dilation=dwa_dilation, dwa_period=dwa_period)
     config._attn_implementation = llama.config._attn_implementation
     model = DenseFormerForCausalLM(config)
@@ -307,8 +323,8 @@ def llama_to_moda(
         raise ValueError(
             f"norm_position must be 'pre' for a Llama warm start (Llama is pre-norm); got {norm_position!r}"
         )
-    llama = load_llama(model_or_path, **load_kwargs)
-    fields = llama_config_fields(llama.config)
+    llama = load_source(model_or_path, **load_kwargs)
+    fields = source_config_fields(llama.config)
     if not isinstance(depth_gate, bool):
         raise ValueError(f"depth_gate must be a bool (True or False); got {depth_gate!r}")
     gate_fields = {"moda_depth_gate": True, "moda_depth_gate_init": 0.0} if depth_gate else {}
@@ -330,7 +346,7 @@ def llama_to_moda(
     return model
 
 
-__all__ = ["llama_to_denseformer", "load_llama", "copy_llama_weights", "keep_llama_settings", "llama_config_fields"]
+__all__ = ["llama_to_denseformer", "load_source", "copy_llama_weights", "keep_llama_settings", "source_config_fields"]
 __all__ += ["llama_to_moda", "init_ffn_kv_from_llama", "calibrate_depth_gates", "FFN_KV_INITS"]
 
 
@@ -360,8 +376,8 @@ def llama_to_attnres(
     from .models.configuration_attnres import AttnResConfig
     from .models.modeling_attnres import AttnResForCausalLM
 
-    llama = load_llama(model_or_path, **load_kwargs)
-    config = AttnResConfig(**llama_config_fields(llama.config), attnres_block_size=attnres_block_size)
+    llama = load_source(model_or_path, **load_kwargs)
+    config = AttnResConfig(**source_config_fields(llama.config), attnres_block_size=attnres_block_size)
     config._attn_implementation = llama.config._attn_implementation
     model = AttnResForCausalLM(config)
     keep_llama_settings(llama, model)
@@ -415,8 +431,8 @@ def llama_to_mhc(
     from .models.configuration_mhc import MHCConfig
     from .models.modeling_mhc import MHCForCausalLM, MHCHyperConnection, MHCHyperHead, init_as_residual
 
-    llama = load_llama(model_or_path, **load_kwargs)
-    config = MHCConfig(**llama_config_fields(llama.config), hc_mult=hc_mult, hc_sinkhorn_iters=hc_sinkhorn_iters,
+    llama = load_source(model_or_path, **load_kwargs)
+    config = MHCConfig(**source_config_fields(llama.config), hc_mult=hc_mult, hc_sinkhorn_iters=hc_sinkhorn_iters,
                        hc_eps=hc_eps)
     config._attn_implementation = llama.config._attn_implementation
     model = MHCForCausalLM(config)

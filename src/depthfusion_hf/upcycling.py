@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
-from .convert import _HUB_KWARGS, LOAD_OPTIONS, load_llama
+from .convert import _HUB_KWARGS, LOAD_OPTIONS, load_source
 from .families import FAMILIES
 
 
@@ -109,7 +109,7 @@ def upcycle(
         raise ValueError(f"unknown option(s) {unknown} for family {family!r}: its options are {list(allowed)}; the "
                          f"loading options are {list(LOAD_OPTIONS)}")
     load = {key: value for key, value in options.items() if key in LOAD_OPTIONS}
-    llama = load_llama(model_or_path, **load)
+    llama = load_source(model_or_path, **load)
     model = FAMILIES[family].from_llama(llama, **{key: value for key, value in options.items() if key in allowed})
     if save_to is not None:
         if tokenizer is None:

@@ -284,12 +284,12 @@ def test_valid_edge_values_still_build_a_finite_model(kind):
 
 def test_a_hub_style_llama_config_converts(tmp_path):
     """The keys a Llama's config.json carries on the Hub (rope_scaling of Llama 3, torch_dtype, ...) pass."""
-    from depthfusion_hf.convert import llama_config_fields
+    from depthfusion_hf.convert import source_config_fields
 
     llama = LlamaConfig(**TINY, torch_dtype="bfloat16", pretraining_tp=1, mlp_bias=False, attention_bias=False,
                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                         rope_theta=500000.0)
     for cls in CLASSES.values():
-        config = cls(**llama_config_fields(llama))
+        config = cls(**source_config_fields(llama))
         assert config.rope_parameters["rope_type"] == "llama3" and config.dtype == torch.bfloat16

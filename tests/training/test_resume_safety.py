@@ -299,14 +299,14 @@ def test_resume_config_compares_an_upcycled_checkpoint_with_its_llama(tmp_path):
     """With --init_from, the Llama states every field (its vocabulary included)."""
     from transformers import LlamaForCausalLM
 
-    from depthfusion_hf.convert import llama_config_fields, llama_to_denseformer
+    from depthfusion_hf.convert import llama_to_denseformer, source_config_fields
 
     llama = LlamaForCausalLM(LlamaConfig(**ARCH, vocab_size=120))
     llama_to_denseformer(llama, dwa_dilation=2).save_pretrained(tmp_path / "ckpt")
-    fields = llama_config_fields(llama.config)
+    fields = source_config_fields(llama.config)
     config = resume_config(tmp_path / "ckpt", "denseformer", {}, fields, "--init_from L")
     assert (config.dwa_dilation, config.vocab_size) == (2, 120)
-    other = llama_config_fields(LlamaConfig(**(ARCH | {"hidden_size": 48}), vocab_size=121))
+    other = source_config_fields(LlamaConfig(**(ARCH | {"hidden_size": 48}), vocab_size=121))
     with pytest.raises(ValueError, match="--init_from L gives hidden_size=48, the checkpoint has 32") as info:
         resume_config(tmp_path / "ckpt", "denseformer", {}, other, "--init_from L")
     assert "vocab_size=121, the checkpoint has 120" in str(info.value)

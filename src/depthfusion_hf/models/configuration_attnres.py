@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
-from transformers.models.llama.configuration_llama import LlamaConfig
 
 from .depthfusion_common import DecoderConfigMixin, check_positive_int
 
 
 @strict
-class AttnResConfig(DecoderConfigMixin, LlamaConfig):
+class AttnResConfig(DecoderConfigMixin):
     r"""Configuration of an Attention Residuals decoder (Kimi Team, 2026, arXiv 2603.15031).
 
     A Llama decoder (RMSNorm, RoPE, SwiGLU, GQA; every Llama field keeps its meaning) whose residual

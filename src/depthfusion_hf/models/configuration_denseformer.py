@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
-from transformers.models.llama.configuration_llama import LlamaConfig
 
 from .depthfusion_common import DecoderConfigMixin, check_positive_int
 
 
 @strict
-class DenseFormerConfig(DecoderConfigMixin, LlamaConfig):
+class DenseFormerConfig(DecoderConfigMixin):
     r"""Configuration of a DenseFormer (Pagliardini et al., 2024, arXiv 2402.02622).
 
     A Llama decoder (every Llama field keeps its meaning) with a Depth-Weighted Average after every

@@ -2,13 +2,12 @@
 Hyper-Connections (DeepSeek-V4; Xie et al., 2026)."""
 
 from huggingface_hub.dataclasses import strict
-from transformers.models.llama.configuration_llama import LlamaConfig
 
 from .depthfusion_common import DecoderConfigMixin, check_positive_int, check_real
 
 
 @strict
-class MHCConfig(DecoderConfigMixin, LlamaConfig):
+class MHCConfig(DecoderConfigMixin):
     r"""Configuration of an mHC decoder: manifold-constrained Hyper-Connections (DeepSeek-V4; Xie et al., 2026).
 
     A Llama decoder (RMSNorm, RoPE, SwiGLU, GQA; every Llama field keeps its meaning) whose residual stream is

@@ -11,7 +11,7 @@ NORM_POSITIONS = ("pre", "post")
 
 
 @strict
-class MoDAConfig(DecoderConfigMixin, LlamaConfig):
+class MoDAConfig(DecoderConfigMixin):
     r"""Configuration of a MoDA decoder (Zhu et al., 2026, arXiv 2603.15619).
 
     A Llama decoder (RMSNorm, RoPE, SwiGLU, GQA; every Llama field keeps its meaning) whose attention
@@ -46,6 +46,7 @@ class MoDAConfig(DecoderConfigMixin, LlamaConfig):
         >>> config = MoDAConfig(num_hidden_layers=36, hidden_size=1024, norm_position="post")
     """
 
+    supported_backbones = ("llama",)  # its attention extends Llama's (docs/MODA.md)
     model_type = "moda"
     option_prefix = "moda_"  # its options' names start so (a misspelt one is refused)
 

@@ -16,17 +16,20 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import ClassVar
 
 import torch
+from huggingface_hub.dataclasses import strict
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from transformers import AutoConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.configuration_llama import LlamaConfig
 
-from .transformers_compat import cache_kwarg
+from .backbones import BACKBONES, DEFAULT_BACKBONE, as_backbone_config, layer_inputs
+from .transformers_compat import SubConfigSpec
 
 logger = logging.getLogger(__name__)
 
@@ -188,27 +191,69 @@ def check_op_backend(config: LlamaConfig) -> None:
         raise ValueError(f"`op_backend` must be None or one of {OP_BACKENDS}; got {value!r}")
 
 
-class DecoderConfigMixin:
-    """The validation every Llama-style family config shares; put it before ``LlamaConfig`` in the bases.
+# With a backbone_config, these top-level (Llama) fields mirror the backbone's (the family's own code reads them).
+MIRRORED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "initializer_range",
+                   "attention_dropout", "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id")
+# ... and these are copied so that transformers' caches are made like the backbone's (sliding-window layers).
+MIRRORED_CACHE_FIELDS = ("layer_types", "sliding_window")
+
+
+@strict
+class DecoderConfigMixin(LlamaConfig):
+    """The base of every causal family config: Llama's fields, ``backbone_config``, and the shared validation.
+
+    ``backbone_config`` (a config of a supported decoder, :data:`backbones.BACKBONES`, or None) names the decoder the
+    family is built on; None means the family config is itself the (Llama) decoder's config. With one, the top-level
+    sizes (``hidden_size``, ``num_hidden_layers``, ...; :data:`MIRRORED_FIELDS`) are the backbone's: give them in
+    ``backbone_config`` (a different top-level value is an error naming both).
 
     A subclass sets ``option_prefix`` (the prefix of its own option names, e.g. ``"hc_"``) and implements
     ``check_family_fields``; ``check_fields`` runs the Llama checks, ``op_backend``'s and the family's.
     """
 
-    option_prefix: str
+    option_prefix: ClassVar[str]
+    supported_backbones: ClassVar[tuple[str, ...]] = BACKBONES
+    if SubConfigSpec is not None:
+        sub_configs_defaults = {"backbone_config": SubConfigSpec(config_class=AutoConfig, model_type=DEFAULT_BACKBONE,
+                                                                 optional=True)}
+    else:  # transformers < 5.20
+        sub_configs = {"backbone_config": AutoConfig}
+
+    backbone_config: dict | PreTrainedConfig | None = None
 
     def __post_init__(self, **kwargs):
         # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
         # wrap errors in a non-ValueError exception. It runs before Llama's `__post_init__` (which divides by
         # `num_attention_heads`) and again after it (which folds a legacy `rope_theta` into `rope_parameters`).
         check_unknown_options(type(self), kwargs)
+        self.backbone_config = as_backbone_config(self.backbone_config, self.supported_backbones)
+        self.mirror_backbone()
         self.check_fields()
         super().__post_init__(**kwargs)
         self.check_fields()
 
+    def mirror_backbone(self) -> None:
+        """Copy the backbone's sizes to the top-level fields; a top-level value set to something else than both
+        Llama's default and the backbone's is a ValueError."""
+        if self.backbone_config is None:
+            return
+        for name in MIRRORED_FIELDS:
+            if not hasattr(self.backbone_config, name):
+                continue
+            value, backbone_value = getattr(self, name), getattr(self.backbone_config, name)
+            if value not in (backbone_value, LlamaConfig.__dataclass_fields__[name].default):
+                raise ValueError(f"`{name}` is {value!r} but backbone_config.{name} is {backbone_value!r}: with a "
+                                 f"backbone_config the decoder's sizes are the backbone's; set them there")
+            setattr(self, name, backbone_value)
+        for name in MIRRORED_CACHE_FIELDS:
+            if getattr(self.backbone_config, name, None) is not None:
+                setattr(self, name, getattr(self.backbone_config, name))
+
     def check_fields(self) -> None:
         """Raise a ValueError naming an invalid field and its allowed values; also run when a model is built
         (a field changed after construction, e.g. ``config.hc_mult = 0``, gets the construction error)."""
+        check_backbone_mirrors(self)
         check_llama_shapes(self)
         check_llama_values(self)
         check_op_backend(self)
@@ -217,6 +262,17 @@ class DecoderConfigMixin:
     def check_family_fields(self) -> None:
         """Validate the family's own options; raise a ValueError naming the field and its allowed values."""
         raise NotImplementedError
+
+
+def check_backbone_mirrors(config: DecoderConfigMixin) -> None:
+    """A top-level size changed after construction must have been changed in ``backbone_config`` too."""
+    backbone = config.backbone_config
+    if backbone is None or isinstance(backbone, dict):
+        return
+    for name in MIRRORED_FIELDS:
+        if hasattr(backbone, name) and getattr(config, name) != getattr(backbone, name):
+            raise ValueError(f"`{name}` is {getattr(config, name)!r} but backbone_config.{name} is "
+                             f"{getattr(backbone, name)!r}: change the backbone's (the decoder reads backbone_config)")
 
 
 def safetensors_problems(folder: Path) -> list[str]:
@@ -301,9 +357,9 @@ def prepare_decoder_inputs(
     cache: Cache | None,
     inputs_embeds: torch.Tensor | None,
     use_cache: bool | None,
-) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
-    """The Llama decoder preamble shared by the family models: check and embed the tokens, make the cache,
-    positions, causal mask and rotary embeddings.
+) -> tuple[torch.Tensor, torch.LongTensor, Cache | None, list[dict]]:
+    """The decoder preamble shared by the family models, as the backbone's own model forward makes it: check and
+    embed the tokens, make the cache, positions, and each layer's mask and rotary embeddings.
 
     Args:
         model: the decoder (with ``config``, ``embed_tokens`` and ``rotary_emb``).
@@ -312,8 +368,8 @@ def prepare_decoder_inputs(
         position_ids: [B, T]; by default continue from the cache length.
         cache: a transformers ``Cache``; a ``DynamicCache`` is made when none is given and ``use_cache``.
     Returns:
-        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, the causal mask for the layers,
-        the rotary (cos, sin), each [B or 1, T, head_dim]).
+        (inputs_embeds [B, T, D], position_ids [B or 1, T], cache, per layer ``{"attention_mask": its mask,
+        "position_embeddings": its rotary (cos, sin), each [B or 1, T, head_dim]}``; :func:`backbones.layer_inputs`).
     """
     check_token_inputs(input_ids, inputs_embeds, model.config.vocab_size)
     if inputs_embeds is None:
@@ -324,16 +380,7 @@ def prepare_decoder_inputs(
         past_seen_tokens = cache.get_seq_length() if cache is not None else 0
         position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
         position_ids = position_ids.unsqueeze(0)
-
-    causal_mask = create_causal_mask(
-        config=model.config,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        **cache_kwarg(cache),
-        position_ids=position_ids,
-    )
-    position_embeddings = model.rotary_emb(inputs_embeds, position_ids=position_ids)
-    return inputs_embeds, position_ids, cache, causal_mask, position_embeddings
+    return inputs_embeds, position_ids, cache, layer_inputs(model, inputs_embeds, attention_mask, cache, position_ids)
 
 
 def import_triton() -> tuple[ModuleType | None, ModuleType | None, Exception | None]:

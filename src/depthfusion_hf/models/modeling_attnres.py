@@ -16,21 +16,24 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaPreTrainedModel,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaPreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attnres import attnres_core, resolve_backend
+from .backbones import (
+    add_logit_softcapping,
+    adopt_layer,
+    attention_branch,
+    branch_shape,
+    build_backbone,
+    init_backbone_weights,
+    mlp_branch,
+)
 from .configuration_attnres import AttnResConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .transformers_compat import accepts_cache, cache_kwarg
@@ -62,16 +65,19 @@ def add_to_depth_state(sources: tuple[torch.Tensor, ...], output: torch.Tensor, 
     return (*sources, output) if new_block else (*sources[:-1], sources[-1] + output)
 
 
-class AttnResDecoderLayer(LlamaDecoderLayer):
-    """A Llama decoder layer whose two residual sums are AttnRes calls over the depth state.
+class AttnResDecoderLayer(GradientCheckpointingLayer):
+    """A backbone decoder layer (its modules under their names, ``backbone_layer``) whose two residual sums are
+    AttnRes calls over the depth state.
 
     ``forward(hidden_states, *sources, ...)`` returns ``(output, *sources)``: the layer output [B, T, D] (the
     next layer's input) and the depth state grown by its two sub-layer outputs. The state travels as positional
     tensors, so reentrant gradient checkpointing passes their gradients.
     """
 
-    def __init__(self, config: AttnResConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
+    def __init__(self, config: AttnResConfig, layer_idx: int, backbone_layer: nn.Module):
+        super().__init__()
+        adopt_layer(self, backbone_layer)
+        self.shape = branch_shape(config)
         block_size = config.effective_block_size  # sub-layer l (1-based) starts a block when (l - 1) % S == 0
         self.attn_starts_block = (2 * layer_idx) % block_size == 0
         self.mlp_starts_block = (2 * layer_idx + 1) % block_size == 0
@@ -91,8 +97,10 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
         op_backend: str | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, ...]:
-        attn_out, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
+        attn_out = attention_branch(
+            self,
+            self.shape,
+            hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
             **cache_kwarg(cache),
@@ -101,10 +109,10 @@ class AttnResDecoderLayer(LlamaDecoderLayer):
             **kwargs,
         )
         sources = add_to_depth_state(sources, attn_out, self.attn_starts_block)
-        hidden_states, _ = self.mlp_res(sources, op_backend)  # differs from Llama: residual + attn_out
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states, _ = self.mlp_res(sources, op_backend)  # differs from the backbone: residual + attn_out
+        mlp_out = mlp_branch(self, self.shape, hidden_states)
         sources = add_to_depth_state(sources, mlp_out, self.mlp_starts_block)
-        hidden_states, _ = self.output_res(sources, op_backend)  # differs from Llama: residual + mlp_out
+        hidden_states, _ = self.output_res(sources, op_backend)  # differs from the backbone: residual + mlp_out
         return (hidden_states, *sources)
 
 
@@ -117,12 +125,12 @@ class AttnResPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
     _can_compile_fullgraph = True  # one-token StaticCache decoding steps compile whole (issue 21, tested)
     _can_record_outputs = {
         "hidden_states": AttnResDecoderLayer,
-        "attentions": LlamaAttention,
+        "attentions": "self_attn",
         "depth_weights": OutputRecorder(AttnResMix, index=1),
     }
 
     def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
+        init_backbone_weights(self, module)
         if isinstance(module, AttnResMix):
             # the paper's: uniform averaging (init.* leaves parameters loaded from a checkpoint untouched)
             init.zeros_(module.query)
@@ -147,10 +155,10 @@ class AttnResModel(AttnResPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([AttnResDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        backbone = build_backbone(config)  # the backbone's own embeddings, decoder layers, final norm, rotary
+        self.embed_tokens = backbone.embed_tokens
+        self.layers = nn.ModuleList([AttnResDecoderLayer(config, i, layer) for i, layer in enumerate(backbone.layers)])
+        self.norm, self.rotary_emb = backbone.norm, backbone.rotary_emb
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -170,18 +178,17 @@ class AttnResModel(AttnResPreTrainedModel):
     ) -> AttnResModelOutputWithPast:
         """Run the decoder: Llama's arguments (``cache``; ``past_key_values`` is a deprecated alias), and
         ``output_depth_weights``: also return every AttnRes call's softmax weights (``depth_weights``)."""
-        inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
+        inputs_embeds, position_ids, cache, per_layer = prepare_decoder_inputs(
             self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
         backend_on = backend_per_device(resolve_backend, self.config.op_backend)
         # Differs from Llama: the depth state starts as (v_0,); sub-layer 1's AttnRes over it is v_0 itself.
         hidden_states, sources = inputs_embeds, (inputs_embeds,)
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        for decoder_layer, layer_input in zip(self.layers[: self.config.num_hidden_layers], per_layer):
             hidden_states, *sources = decoder_layer(
                 hidden_states,
                 *sources,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
+                **layer_input,
                 position_ids=position_ids,
                 **cache_kwarg(cache),
                 use_cache=use_cache,
@@ -236,6 +243,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, LlamaForCausalLM):
         self.model = AttnResModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        add_logit_softcapping(self.lm_head, config)
         self.post_init()
 
     def depth_attention_weights(

@@ -1,4 +1,5 @@
-"""DenseFormer: a Llama decoder with a Depth-Weighted Average (DWA) after blocks (arXiv 2402.02622).
+"""DenseFormer: a decoder (Llama, or another backbone) with a Depth-Weighted Average (DWA) after blocks
+(arXiv 2402.02622).
 
     Y_0 = X_0 = embeddings
     X_i = Block_i(Y_{i-1})                               i = 1..d
@@ -7,9 +8,9 @@
     S(i) = { j : 0 <= j <= i, j ≡ i (mod k) }
     logits = lm_head(norm(Y_d))
 
-The blocks, norms, rotary embeddings and attention backends are transformers' Llama ones, so a
-Llama checkpoint loads by copying weights (see ``depthfusion_hf.convert``) and the DWA weights start
-as the identity (``alpha[i, i] = 1``), which makes the DenseFormer *equal* to the Llama at init.
+The blocks, norms, rotary embeddings and attention backends are the backbone's own (transformers' Llama by default;
+``backbones.py``), so a checkpoint of the backbone loads by copying weights (see ``depthfusion_hf.convert``) and the
+DWA weights start as the identity (``alpha[i, i] = 1``), which makes the DenseFormer *equal* to it at init.
 The DWA is per token, so cached decoding needs no cache beyond the ordinary KV cache.
 """
 
@@ -19,20 +20,15 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaPreTrainedModel,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaPreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .backbones import BACKBONE_LAYER_NAMES, add_logit_softcapping, build_backbone, init_backbone_weights
 from .configuration_denseformer import DenseFormerConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .dwa import dwa_core, resolve_backend
@@ -96,24 +92,17 @@ class DenseFormerDWA(nn.Module):
         return f"layers={self.num_layers}, dilation={self.dilation}, period={self.period}, steps={len(self.steps)}"
 
 
-class DenseFormerDecoderLayer(LlamaDecoderLayer):
-    """A Llama decoder block, unchanged (named for ``_no_split_modules`` and output capture)."""
-
-
 class DenseFormerPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
-    """Llama's weight initialisation and capabilities, plus the identity DWA."""
+    """The backbone's weight initialisation and Llama's capabilities, plus the identity DWA."""
 
     config: DenseFormerConfig
     config_class = DenseFormerConfig
-    _no_split_modules = ["DenseFormerDecoderLayer"]
+    _no_split_modules = BACKBONE_LAYER_NAMES
     _can_compile_fullgraph = True  # one-token StaticCache decoding steps compile whole (issue 21)
-    _can_record_outputs = {
-        "hidden_states": DenseFormerDecoderLayer,
-        "attentions": LlamaAttention,
-    }
+    _can_record_outputs = {"hidden_states": GradientCheckpointingLayer, "attentions": "self_attn"}
 
     def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
+        init_backbone_weights(self, module)
         if isinstance(module, DenseFormerDWA):
             # Identity DWA: survives post_init(), re-initialisation, and checkpoints without DWA weights
             # (init.copy_ leaves parameters that were loaded from a checkpoint untouched).
@@ -131,14 +120,11 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [DenseFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
-        # Differs from Llama: the Depth-Weighted Average weights.
+        backbone = build_backbone(config)  # the backbone's own embeddings, decoder layers, final norm, rotary
+        self.embed_tokens, self.layers = backbone.embed_tokens, backbone.layers
+        # Differs from the backbone: the Depth-Weighted Average weights.
         self.dwa = DenseFormerDWA(config.num_hidden_layers, config.dwa_dilation, config.dwa_period)
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.norm, self.rotary_emb = backbone.norm, backbone.rotary_emb
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -168,7 +154,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
             cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
             use_cache: build a ``DynamicCache`` when none is given.
         """
-        inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
+        inputs_embeds, position_ids, cache, per_layer = prepare_decoder_inputs(
             self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
         hidden_states = inputs_embeds
@@ -176,11 +162,11 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         needed = self.dwa.needed
         block_outputs: dict[int, torch.Tensor] = {0: hidden_states} if 0 in needed else {}
         backend_on = backend_per_device(resolve_backend, self.config.op_backend)
-        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers], start=1):
+        for i, (decoder_layer, layer_input) in enumerate(zip(self.layers[: self.config.num_hidden_layers], per_layer),
+                                                         start=1):
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
+                **layer_input,
                 position_ids=position_ids,
                 **cache_kwarg(cache),
                 use_cache=use_cache,
@@ -218,6 +204,7 @@ class DenseFormerForCausalLM(DenseFormerPreTrainedModel, LlamaForCausalLM):
         self.model = DenseFormerModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        add_logit_softcapping(self.lm_head, config)
         self.post_init()
 
     def dwa_weights(self) -> torch.Tensor:

@@ -16,20 +16,23 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaPreTrainedModel,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaPreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .backbones import (
+    add_logit_softcapping,
+    adopt_layer,
+    attention_branch,
+    branch_shape,
+    build_backbone,
+    init_backbone_weights,
+    mlp_branch,
+)
 from .configuration_mhc import MHCConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .mhc_connection import (
@@ -104,14 +107,17 @@ class MHCHyperHead(nn.Module):
                                                   self.norm_eps, head=True)[0]
 
 
-class MHCDecoderLayer(LlamaDecoderLayer):
-    """A Llama block (attention, MLP, their norms) whose two residual connections are hyper-connections.
+class MHCDecoderLayer(GradientCheckpointingLayer):
+    """A backbone decoder layer (its attention, MLP, norms under their names, ``backbone_layer``) whose two residual
+    connections are hyper-connections.
 
     Maps streams [B, T, n, D] to streams [B, T, n, D].
     """
 
-    def __init__(self, config: MHCConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
+    def __init__(self, config: MHCConfig, layer_idx: int, backbone_layer: nn.Module):
+        super().__init__()
+        adopt_layer(self, backbone_layer)
+        self.shape = branch_shape(config)
         self.attn_hc = MHCHyperConnection(config)
         self.ffn_hc = MHCHyperConnection(config)
 
@@ -131,8 +137,10 @@ class MHCDecoderLayer(LlamaDecoderLayer):
         # is spread over the streams by `post` and added to the streams mixed by `comb` (not to the residual).
         op_backend = op_backend or resolve_backend(None, hidden_states.device)  # the model passes the one it resolved
         post, comb, collapsed = self.attn_hc(hidden_states, op_backend)
-        attn_output, _ = self.self_attn(
-            hidden_states=self.input_layernorm(collapsed),
+        attn_output = attention_branch(
+            self,
+            self.shape,
+            collapsed,
             attention_mask=attention_mask,
             position_ids=position_ids,
             **cache_kwarg(cache),
@@ -142,7 +150,7 @@ class MHCDecoderLayer(LlamaDecoderLayer):
         )
         hidden_states = hyper_mix_core(op_backend, hidden_states, attn_output, post, comb)
         post, comb, collapsed = self.ffn_hc(hidden_states, op_backend)
-        mlp_output = self.mlp(self.post_attention_layernorm(collapsed))
+        mlp_output = mlp_branch(self, self.shape, collapsed)
         return hyper_mix_core(op_backend, hidden_states, mlp_output, post, comb)
 
 
@@ -157,11 +165,11 @@ class MHCPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
     _can_compile_fullgraph = True  # one-token decoding with a StaticCache: tests/mhc/test_compiled_decoding.py
     _can_record_outputs = {
         "hidden_states": MHCDecoderLayer,
-        "attentions": LlamaAttention,
+        "attentions": "self_attn",
     }
 
     def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
+        init_backbone_weights(self, module)
         # transformers' DeepSeek-V4 init (init.* leaves parameters loaded from a checkpoint untouched).
         std = self.config.initializer_range
         if isinstance(module, MHCHyperConnection):
@@ -188,13 +196,11 @@ class MHCModel(MHCPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [MHCDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
-        self.hc_head = MHCHyperHead(config)  # differs from Llama: the streams' final collapse
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        backbone = build_backbone(config)  # the backbone's own embeddings, decoder layers, final norm, rotary
+        self.embed_tokens = backbone.embed_tokens
+        self.layers = nn.ModuleList([MHCDecoderLayer(config, i, layer) for i, layer in enumerate(backbone.layers)])
+        self.hc_head = MHCHyperHead(config)  # differs from the backbone: the streams' final collapse
+        self.norm, self.rotary_emb = backbone.norm, backbone.rotary_emb
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -220,17 +226,16 @@ class MHCModel(MHCPreTrainedModel):
             cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
             use_cache: build a ``DynamicCache`` when none is given.
         """
-        inputs_embeds, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
+        inputs_embeds, position_ids, cache, per_layer = prepare_decoder_inputs(
             self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
         backend_on = backend_per_device(resolve_backend, self.config.op_backend)
         # Differs from Llama: the residual is hc_mult streams, each a copy of the embedding.
         hidden_states = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)  # (B, T, n, D)
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        for decoder_layer, layer_input in zip(self.layers[: self.config.num_hidden_layers], per_layer):
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
+                **layer_input,
                 position_ids=position_ids,
                 **cache_kwarg(cache),
                 use_cache=use_cache,
@@ -306,6 +311,7 @@ class MHCForCausalLM(MHCPreTrainedModel, LlamaForCausalLM):
         self.model = MHCModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        add_logit_softcapping(self.lm_head, config)
         self.post_init()
 
     def hyper_connection_weights(self, input_ids: torch.LongTensor,

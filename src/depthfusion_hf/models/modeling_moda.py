@@ -310,9 +310,11 @@ class MoDAModel(MoDAPreTrainedModel):
             cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
             use_cache: build a ``DynamicCache`` when none is given.
         """
-        hidden_states, position_ids, cache, causal_mask, position_embeddings = prepare_decoder_inputs(
+        hidden_states, position_ids, cache, per_layer = prepare_decoder_inputs(
             self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
+        # a Llama backbone (MoDAConfig.supported_backbones): one causal mask and one rotary embedding for all layers
+        causal_mask, position_embeddings = per_layer[0]["attention_mask"], per_layer[0]["position_embeddings"]
         tokens = hidden_states.shape[1]
         if causal_mask is None and cache is not None and tokens > 1 and cache.get_mask_sizes(tokens, 0)[0] != tokens:
             # transformers leaves the mask out for a prefill into an empty fixed-size cache (StaticCache): SDPA's

@@ -193,13 +193,13 @@ def resume_config(checkpoint: str | Path, kind: str, options: Mapping[str, objec
         ValueError: the checkpoint holds another ``model_type``, or a field disagrees (names each field, what
             states it, and both values).
     """
-    from ..convert import llama_config_fields
+    from ..convert import source_config_fields
 
     found = checkpoint_config(checkpoint)
     if found.model_type != kind:
         raise ValueError(f"{checkpoint} holds a {found.model_type!r} model, but --model is {kind!r}")
     stated = dict(stated or {}) | dict(options)
-    as_stated = type(found)(**(llama_config_fields(found) | stated))
+    as_stated = type(found)(**(source_config_fields(found) | stated))
     mismatches = architecture_mismatches(as_stated, found)
     if mismatches:
         parts = [f"{f'--{name}' if name in options else stated_by} gives {name}={new!r}, the checkpoint has {old!r}"

@@ -27,7 +27,7 @@ from transformers import (
     set_seed,
 )
 
-from ..convert import llama_config_fields, load_llama, load_llama_start
+from ..convert import load_llama_start, load_source, source_config_fields
 from ..data.textfile import DataFormatError, read_text
 from ..families import FAMILIES, Family, causal_lm_families
 from ..models.transformers_compat import CHECKPOINTING_TRAINING_ARG
@@ -130,7 +130,7 @@ def build_model(
     """
     family = _family(kind)
     if init_from is not None:
-        llama = load_llama(init_from)
+        llama = load_source(init_from)
         if family is None:
             return llama
         if family.from_llama is None:
@@ -161,7 +161,7 @@ def run_name(config: PretrainedConfig) -> str:
 
 def baseline_arch(model: PreTrainedModel) -> dict:
     """The Llama fields of a model's config, to build the same-depth plain baseline."""
-    fields = llama_config_fields(model.config)
+    fields = source_config_fields(model.config)
     return {k: v for k, v in fields.items() if k in LlamaConfig.__dataclass_fields__}
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedModel, set_seed
 
-from ...convert import load_llama, load_llama_start
+from ...convert import load_llama_start, load_source
 from ...families import FAMILIES
 from ..clm import BASELINE, TrainSettings, build_config, build_model, new_parameter_names, run_name
 from .data import StudyData
@@ -110,7 +110,7 @@ def run_continuations(
                     log(f"{key}: stored, skipped")
                     records.append(record)
                     continue
-                llama = load_llama(llama_path)
+                llama = load_source(llama_path)
                 fields = spec.fields_at(llama.config.num_hidden_layers)
                 if spec.is_baseline:
                     model, new = llama, []
