@@ -4,6 +4,7 @@ generation, saving and loading as remote code, and the errors for what does not 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +177,72 @@ def test_a_mismatched_backbone_config_is_named():
         AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"`dwa_dilation` must be .*at most num_hidden_layers"):
         depthfusion_hf.DenseFormerConfig(backbone_config=backbone_config("gemma3_text"), dwa_dilation=4)
+
+
+LEGACY = Path(__file__).parent / "data" / "saved_before_backbones"  # saved by 2c95a89 (see its README.md)
+
+
+@pytest.mark.parametrize("family", sorted(p.name for p in LEGACY.iterdir() if p.is_dir()))
+def test_checkpoints_saved_before_backbones_load_unchanged(family):
+    """Every family's checkpoint saved by the code before backbones existed loads with identical logits."""
+    expected = json.loads((LEGACY / family / "expected_logits.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(LEGACY / family).eval()
+    assert model.config.backbone_config is None
+    with torch.no_grad():
+        logits = model(torch.tensor(expected["input_ids"])).logits
+    assert torch.equal(logits, torch.tensor(expected["logits"]))
+
+
+NON_LLAMA = ("qwen3", "gemma3_text")  # q/k norms; sandwich norms, sliding + full layers, softcapping
+
+
+@pytest.mark.parametrize("family,backbone", [(f, b) for f in FAMILY_CONFIGS for b in ("qwen3", "olmo2")])
+def test_static_cache_decoding_compiles_on_another_backbone(family, backbone):
+    """Compiled static-cache decoding equals eager dynamic-cache decoding, in one graph (test_compiled_decoding).
+    Not on sliding-window backbones (Mistral with a window, Gemma 3): transformers' own MistralForCausalLM and
+    Gemma3ForCausalLM recompile every step there (a guard on the sliding cache layer's length, transformers 5.25);
+    their static cache is tested eagerly below."""
+    from .test_compiled_decoding import assert_compiled_decoding_matches_eager
+
+    assert assert_compiled_decoding_matches_eager(family_model(family, backbone)).graphs == 1
+
+
+@pytest.mark.parametrize("family", FAMILY_CONFIGS)
+def test_static_cache_decoding_on_sliding_window_layers(family):
+    """Gemma 3 (two sliding-window layers of window 5, then a full one): the static cache's sliding layers give the
+    dynamic cache's greedy tokens past the window."""
+    model = family_model(family, "gemma3_text")
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 12, 13, 14, 15]])
+    mask = (prompt != 0).long()
+    runs = [model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                           cache_implementation=cache) for cache in ("dynamic", "static")]
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("family,backbone", [(f, b) for f in FAMILY_CONFIGS for b in NON_LLAMA])
+def test_gradient_checkpointing_and_lora_on_another_backbone(family, backbone):
+    """Activation checkpointing gives the gradients of a plain backward; LoRA on the backbone's attention trains
+    only the adapters (and the family's parameters the user names)."""
+    from peft import LoraConfig, get_peft_model
+
+    from depthfusion_hf.models.transformers_compat import enable_activation_checkpointing
+
+    input_ids = torch.randint(3, 101, (2, 9))
+    grads = []
+    for checkpointing in (False, True):
+        model = family_model(family, backbone).train()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        if checkpointing:
+            enable_activation_checkpointing(model)
+        model(input_ids, labels=input_ids).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    peft_model = get_peft_model(family_model(family, backbone), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    peft_model(input_ids, labels=input_ids).loss.backward()
+    trained = {name for name, p in peft_model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name for name in trained)
+    assert all(p.grad is not None for name, p in peft_model.named_parameters() if p.requires_grad)

@@ -134,7 +134,7 @@ def layer_types(config: PreTrainedConfig) -> list[str]:
     return list(types)
 
 
-def layer_inputs(model: nn.Module, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+def layer_inputs(model: nn.Module, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | dict | None,
                  cache, position_ids: torch.LongTensor) -> list[dict]:
     """Per decoder layer, its ``attention_mask`` (the causal or sliding-window mask of its attention type) and its
     ``position_embeddings`` (the rotary cos, sin [B or 1, T, head_dim]; Gemma 3 has one per attention type), as the
@@ -144,7 +144,10 @@ def layer_inputs(model: nn.Module, inputs_embeds: torch.Tensor, attention_mask: 
     mask_kwargs = dict(config=decoder, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                        position_ids=position_ids, **cache_kwarg(cache))
     mask_functions = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-    masks = {kind: mask_functions[kind](**mask_kwargs) for kind in set(types)}
+    if isinstance(attention_mask, dict):  # generate() made them already, one per attention type (a static cache)
+        masks = attention_mask
+    else:
+        masks = {kind: mask_functions[kind](**mask_kwargs) for kind in set(types)}
     if hasattr(model.rotary_emb, "layer_types"):  # Gemma 3: one rotary embedding per attention type
         rotary = {kind: model.rotary_emb(inputs_embeds, position_ids, kind) for kind in set(types)}
     else:
