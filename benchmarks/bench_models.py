@@ -69,6 +69,7 @@ from harness import (  # noqa: E402
 from model_zoo import builder, common_fields, default_names, parse_name, same_function_pairs  # noqa: E402
 
 from depthfusion_hf.families import causal_lm_families  # noqa: E402
+from depthfusion_hf.models.backbones import BACKBONES  # noqa: E402
 
 # Ratios against Llama: train and peak ≤ bound, decode speeds ≥ bound (issue 18; decode_compiled: issue 21).
 TARGETS = {
@@ -105,6 +106,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--before", default=None,
                    help="another checkout (or one of its models/<family> folders): its families run as <name>-before")
     p.add_argument("--window", type=int, default=4, help="moda_depth_window of the moda-w<W> model")
+    p.add_argument("--backbone", default="llama", choices=list(BACKBONES),
+                   help="the decoder every model is built on: 'llama' and 'llama-control' are its own causal LM")
     p.add_argument("--kv-heads", type=int, default=None,
                    help="num_key_value_heads of every model (default: query heads, MHA; half of them: GQA G=2)")
     p.add_argument("--label", default="", help="free text stored with the record (e.g. the sweep name)")
@@ -410,19 +413,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     common = common_fields(args.layers, args.hidden, args.intermediate, args.vocab, args.seq, args.kv_heads)
     if args.models:
         names = [parse_name(n).text for n in args.models.split(",") if n.strip()]
-        builders = {name: builder(parse_name(name), common, before) for name in names}
+        builders = {name: builder(parse_name(name), common, before, args.backbone) for name in names}
     else:
         names, builders = [], {}
         for name in default_names(args.window, before):
             try:
-                builders[name] = builder(parse_name(name), common, before)
+                builders[name] = builder(parse_name(name), common, before, args.backbone)
                 names.append(name)
             except ValueError as error:
                 print(f"# {name}: not built ({error})")
     if "llama" not in names:
         raise SystemExit("--models must include llama (every ratio is against it)")
     load_at_start = print_header("bench_models", device,
-                 f"{args.layers} layers, hidden {args.hidden}, KV heads {common['num_key_value_heads']} of "
+                 f"{args.backbone} backbone, {args.layers} layers, hidden {args.hidden}, "
+                 f"KV heads {common['num_key_value_heads']} of "
                  f"{common['num_attention_heads']}, MLP {args.intermediate}, vocab {args.vocab}, batch {args.batch} × "
                  f"seq {args.seq}, {args.dtype}, attn {args.attn}; {args.reps} interleaved reps"
                  f"{'; train steps torch.compile(model)' if args.compile else ''}"

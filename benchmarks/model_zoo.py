@@ -18,13 +18,14 @@ checkout's folder. The old names ``moda-before-noffn`` and ``moda-before-ckpt`` 
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from depthfusion_hf.families import FAMILIES
 from depthfusion_hf.recipes.study.specs import parse_model_spec
@@ -109,12 +110,17 @@ def common_fields(layers: int, hidden: int, intermediate: int, vocab: int, seq: 
                 tie_word_embeddings=False)
 
 
-def builder(name: ModelName, common: dict, before_families: Mapping[str, ModuleType]) -> Callable[[], torch.nn.Module]:
-    """A function building the model ``name`` (fresh weights from the current torch seed).
+def builder(name: ModelName, common: dict, before_families: Mapping[str, ModuleType],
+            backbone: str = "llama") -> Callable[[], torch.nn.Module]:
+    """A function building the model ``name`` (fresh weights from the current torch seed). With ``backbone`` other
+    than ``"llama"``: the Llamas are that backbone's own causal LM, and the families are built on it
+    (``backbone_config``), all with the ``common`` sizes (heads of 64: ``head_dim`` 64).
 
     Raises:
-        ValueError: the spec has no model at this depth, or ``-before`` of a family the other checkout lacks.
+        ValueError: the spec has no model at this depth, ``-before`` of a family the other checkout lacks (or on
+            another backbone), or a family that does not support ``backbone`` (naming the ones it does).
     """
+    backbone_config = None if backbone == "llama" else CONFIG_MAPPING[backbone](**common, head_dim=64)
     if name.spec is None:
         config_class, model_class = LlamaConfig, LlamaForCausalLM
         fields = {}
@@ -122,15 +128,22 @@ def builder(name: ModelName, common: dict, before_families: Mapping[str, ModuleT
         fields = parse_model_spec(name.spec).fields_at(common["num_hidden_layers"])
         family = FAMILIES[name.kind]
         config_class, model_class = family.config_class, family.task_model_class
+        if backbone not in config_class.supported_backbones:
+            raise ValueError(f"{name.kind} supports the backbones {list(config_class.supported_backbones)}")
         if name.before:
-            if name.kind not in before_families:
-                raise ValueError(f"{name.text}: no {name.kind} folder loaded from --before")
+            if name.kind not in before_families or backbone_config is not None:
+                raise ValueError(f"{name.text}: no {name.kind} folder loaded from --before (or not on {backbone})")
             folder = before_families[name.kind]
             config_class = getattr(folder, config_class.__name__)
             model_class = getattr(folder, model_class.__name__)
 
     def build() -> torch.nn.Module:
-        model = model_class(config_class(**common, **fields))
+        if backbone_config is None:
+            model = model_class(config_class(**common, **fields))
+        elif name.spec is None:
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(backbone_config))
+        else:
+            model = model_class(config_class(backbone_config=copy.deepcopy(backbone_config), **fields))
         if name.ckpt:
             model.activation_checkpointing_enable()
         return model

@@ -172,8 +172,8 @@ def test_a_mismatched_backbone_config_is_named():
     with pytest.raises(ValueError, match=r"`hidden_size` is 128 but backbone_config.hidden_size is 64"):
         depthfusion_hf.AttnResConfig(hidden_size=128, backbone_config=backbone_config("qwen3"))
     config = depthfusion_hf.MHCConfig(backbone_config=backbone_config("qwen3"))
-    config.num_hidden_layers = 2
-    with pytest.raises(ValueError, match=r"`num_hidden_layers` is 2 but backbone_config.num_hidden_layers is 3"):
+    config.backbone_config.num_hidden_layers = 2
+    with pytest.raises(ValueError, match=r"`num_hidden_layers` is 3 but backbone_config.num_hidden_layers is 2"):
         AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"`dwa_dilation` must be .*at most num_hidden_layers"):
         depthfusion_hf.DenseFormerConfig(backbone_config=backbone_config("gemma3_text"), dwa_dilation=4)
@@ -246,3 +246,17 @@ def test_gradient_checkpointing_and_lora_on_another_backbone(family, backbone):
     trained = {name for name, p in peft_model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in name for name in trained)
     assert all(p.grad is not None for name, p in peft_model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("family", FAMILY_CONFIGS)
+def test_resized_embeddings_save_and_load_on_another_backbone(family, tmp_path):
+    """A top-level size set after construction (``resize_token_embeddings`` sets ``vocab_size``) is the backbone's
+    too, so the model saves and loads with its new vocabulary."""
+    model = family_model(family, "qwen3")
+    model.resize_token_embeddings(120)
+    assert model.config.vocab_size == model.config.backbone_config.vocab_size == 120
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    input_ids = torch.tensor([[5, 6, 119]])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids).logits, model(input_ids).logits)

@@ -6,7 +6,7 @@ from depthfusion_hf.models.configuration_attnres import AttnResConfig
 from depthfusion_hf.models.modeling_attnres import AttnResForCausalLM, AttnResModel
 
 from .generation_mixin import GenerationTesterMixin
-from .testers import CausalLMModelTest, DecoderModelTester
+from .testers import CausalLMModelTest, DecoderModelTester, Qwen3BackboneTester
 from .upstream import load
 
 modeling_common, configuration_common = load()
@@ -32,3 +32,11 @@ class AttnResModelTest(CausalLMModelTest, modeling_common.ModelTesterMixin, Gene
 
 class AttnResBlockModelTest(AttnResModelTest):
     model_tester_class = AttnResBlockModelTester
+
+
+class AttnResQwen3ModelTester(Qwen3BackboneTester, AttnResBlockModelTester):
+    pass
+
+
+class AttnResQwen3ModelTest(AttnResModelTest):
+    model_tester_class = AttnResQwen3ModelTester

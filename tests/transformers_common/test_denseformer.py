@@ -6,7 +6,7 @@ from depthfusion_hf.models.configuration_denseformer import DenseFormerConfig
 from depthfusion_hf.models.modeling_denseformer import DenseFormerForCausalLM, DenseFormerModel
 
 from .generation_mixin import GenerationTesterMixin
-from .testers import CausalLMModelTest, DecoderModelTester
+from .testers import CausalLMModelTest, DecoderModelTester, Qwen3BackboneTester
 from .upstream import load
 
 modeling_common, configuration_common = load()
@@ -31,3 +31,11 @@ class DenseFormerModelTest(CausalLMModelTest, modeling_common.ModelTesterMixin, 
 
 class DenseFormerKxPModelTest(DenseFormerModelTest):
     model_tester_class = DenseFormerKxPModelTester
+
+
+class DenseFormerQwen3ModelTester(Qwen3BackboneTester, DenseFormerKxPModelTester):
+    pass
+
+
+class DenseFormerQwen3ModelTest(DenseFormerModelTest):
+    model_tester_class = DenseFormerQwen3ModelTester

@@ -15,7 +15,7 @@ from depthfusion_hf.models.configuration_mhc import MHCConfig  # noqa: E402
 from depthfusion_hf.models.modeling_mhc import MHCForCausalLM, MHCModel
 
 from .generation_mixin import GenerationTesterMixin  # noqa: E402
-from .testers import CausalLMModelTest, DecoderModelTester  # noqa: E402
+from .testers import CausalLMModelTest, DecoderModelTester, Qwen3BackboneTester  # noqa: E402
 from .upstream import load  # noqa: E402
 
 modeling_common, configuration_common = load()
@@ -67,3 +67,11 @@ class MHCModelTest(CausalLMModelTest, modeling_common.ModelTesterMixin, Generati
 
 class MHCOneStreamModelTest(MHCModelTest):
     model_tester_class = MHCOneStreamModelTester
+
+
+class MHCQwen3ModelTester(Qwen3BackboneTester, MHCModelTester):
+    pass
+
+
+class MHCQwen3ModelTest(MHCModelTest):
+    model_tester_class = MHCQwen3ModelTester

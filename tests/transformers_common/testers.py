@@ -113,6 +113,17 @@ class DecoderModelTester:
         torch.testing.assert_close(step.logits, full.logits[:, -3:], rtol=1e-5, atol=1e-5)
 
 
+class Qwen3BackboneTester:
+    """Put before a family's tester: the family on a Qwen3 backbone (issue 30; q/k norms, an explicit head_dim), at
+    the same shapes, given in ``backbone_config``."""
+
+    def get_config(self):
+        from transformers import Qwen3Config
+
+        shapes = {k: v for k, v in self.config_kwargs.items() if k not in self.family_options}
+        return self.config_class(backbone_config=Qwen3Config(**shapes, head_dim=self.head_dim), **self.family_options)
+
+
 class CausalLMModelTest:
     """The tests upstream's ``CausalLMModelTest`` adds to ``ModelTesterMixin`` for a decoder, minus those for heads
     our families do not have (sequence / token classification, question answering) and the pipeline mixin (it

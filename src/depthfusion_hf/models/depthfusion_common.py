@@ -233,6 +233,13 @@ class DecoderConfigMixin(LlamaConfig):
         super().__post_init__(**kwargs)
         self.check_fields()
 
+    def __setattr__(self, name, value):
+        # A top-level size set later (``resize_token_embeddings`` sets ``vocab_size``) is the backbone's too.
+        super().__setattr__(name, value)
+        backbone = self.__dict__.get("backbone_config")
+        if name in MIRRORED_FIELDS and isinstance(backbone, PreTrainedConfig) and hasattr(backbone, name):
+            setattr(backbone, name, value)
+
     def mirror_backbone(self) -> None:
         """Copy the backbone's sizes to the top-level fields; a top-level value set to something else than both
         Llama's default and the backbone's is a ValueError."""
@@ -265,14 +272,15 @@ class DecoderConfigMixin(LlamaConfig):
 
 
 def check_backbone_mirrors(config: DecoderConfigMixin) -> None:
-    """A top-level size changed after construction must have been changed in ``backbone_config`` too."""
+    """A size of ``backbone_config`` changed after construction must be the top-level one too (setting the top-level
+    field sets both)."""
     backbone = config.backbone_config
     if backbone is None or isinstance(backbone, dict):
         return
     for name in MIRRORED_FIELDS:
         if hasattr(backbone, name) and getattr(config, name) != getattr(backbone, name):
             raise ValueError(f"`{name}` is {getattr(config, name)!r} but backbone_config.{name} is "
-                             f"{getattr(backbone, name)!r}: change the backbone's (the decoder reads backbone_config)")
+                             f"{getattr(backbone, name)!r}: set the top-level `{name}` (it sets both)")
 
 
 def safetensors_problems(folder: Path) -> list[str]:
