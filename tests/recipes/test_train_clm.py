@@ -135,18 +135,19 @@ def test_trainer_does_not_decay_dwa_weights(tmp_path):
     assert not any("norm" in n for n in decayed)
 
 
-def tiny_llama_folder(folder: Path, vocab_size: int = 400, tokenizer: bool = True, chat_template: str | None = None):
-    """A random 2-layer Llama saved with (by default) its own BPE tokenizer of ``vocab_size`` tokens; returns the
-    tokenizer (or ``None``)."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def tiny_llama_folder(folder: Path, vocab_size: int = 400, tokenizer: bool = True, chat_template: str | None = None,
+                      model_type: str = "llama"):
+    """A random 2-layer Llama (or another backbone's causal LM, ``model_type``) saved with (by default) its own BPE
+    tokenizer of ``vocab_size`` tokens; returns the model and the tokenizer (or ``None``)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GenerationConfig
 
     torch.manual_seed(0)
     tok = train_bpe_tokenizer(load_documents()[:40], vocab_size=vocab_size) if tokenizer else None
     special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id) if tok \
         else {}
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                         max_position_embeddings=256, **special))
+    llama = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, head_dim=16, **special))
     llama.generation_config = GenerationConfig(**special, repetition_penalty=1.3)
     llama.save_pretrained(folder)
     if tok is not None:
@@ -172,6 +173,20 @@ def test_upcycling_run_trains_the_new_parameters_at_their_own_rate(tmp_path):
     assert alphas_moved > 1e-3 and llama_moved < 1e-5, (alphas_moved, llama_moved)
     proc = train_clm(TINY + ["--new_param_lr_scale", "10", "--output_dir", str(tmp_path / "x")], tmp_path)
     assert proc.returncode == 2 and "--new_param_lr_scale applies to upcycling" in proc.stderr
+
+
+def test_upcycling_another_backbone_trains_the_family_and_the_source_side_by_side(tmp_path):
+    """--init_from a Qwen3 folder (issue 30): the family is built on the Qwen3 backbone, the baseline is the Qwen3."""
+    qwen3, _ = tiny_llama_folder(tmp_path / "qwen3", model_type="qwen3")
+    out = tmp_path / "run"
+    proc = train_clm(TINY + ["--init_from", str(tmp_path / "qwen3"), "--model", "attnres", "--max_steps", "1",
+                             "--eval_steps", "0", "--output_dir", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    family = AutoModelForCausalLM.from_pretrained(out / "attnres" / "final")
+    assert family.config.backbone_config.model_type == "qwen3"
+    assert family.model.layers[0].self_attn.q_norm.weight.shape == qwen3.model.layers[0].self_attn.q_norm.weight.shape
+    baseline = [path for path in out.iterdir() if path.is_dir() and path.name != "attnres"]
+    assert [AutoModelForCausalLM.from_pretrained(path / "final").config.model_type for path in baseline] == ["qwen3"]
 
 
 def test_upcycling_trains_with_the_llamas_own_tokenizer_and_keeps_what_it_holds(tmp_path):
