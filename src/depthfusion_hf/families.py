@@ -26,17 +26,13 @@ from transformers import (
 )
 
 from . import convert, plotting, plotting_attnres, plotting_mhc
-from .models.configuration_attnres import AttnResConfig
-from .models.configuration_denseformer import DenseFormerConfig
-from .models.configuration_dwatt import DWAttConfig
-from .models.configuration_mhc import MHCConfig
-from .models.configuration_moda import MoDAConfig
 from .models.modeling_attnres import AttnResForCausalLM, AttnResModel
 from .models.modeling_denseformer import DenseFormerForCausalLM, DenseFormerModel
 from .models.modeling_dwatt import DWAttForTokenClassification
 from .models.modeling_mhc import MHCForCausalLM, MHCModel
 from .models.modeling_moda import MoDAForCausalLM, MoDAModel
 
+AUTO_CLASSES = {"text-generation": AutoModelForCausalLM, "token-classification": AutoModelForTokenClassification}
 # An analysis plot: (trained model, output folder, one validation sequence [1, T], run label) -> file written.
 AnalysisPlot = Callable[[PreTrainedModel, Path, torch.Tensor, str], Path]
 
@@ -46,18 +42,17 @@ class Family:
     """What the package knows about one model family (its folder is ``models/<model_type>/``).
 
     Attributes:
-        model_type: the config's ``model_type`` (the registry key, the folder name, the CLI ``--model``).
+        model_type: the config's ``model_type`` (the registry key, the CLI ``--model``, the card template's name
+            ``model_cards/<model_type>.md``).
         title: the family's name in prose (``"DenseFormer"``).
-        config_class: the ``PretrainedConfig`` subclass.
-        task_model_class: the model a user trains and exports (``...ForCausalLM``, ``...ForTokenClassification``).
-        task_auto_class: the transformers Auto class that loads ``task_model_class``.
+        task_model_class: the model a user trains and exports (``...ForCausalLM``, ``...ForTokenClassification``);
+            its ``config_class`` is the family's config.
         base_model_class: the headless model for ``AutoModel``; ``None`` when the family has none (DWAtt
             wraps a transformers encoder).
-        pipeline_tag: the Hub pipeline tag of an export.
-        card_template: the model-card template's file name in ``model_cards/``.
-        default_dataset: the dataset id a card names when the caller gives none (the reference run's data).
         variant_name: config -> short display name of the variant (``"denseformer 4x5"``); results tables use it.
         card_values: model -> the family's numbers for its card template (see ``model_card.model_card_values``).
+        pipeline_tag: the Hub pipeline tag of an export; it decides the Auto class (:data:`AUTO_CLASSES`).
+        default_dataset: the dataset id a card names when the caller gives none (the reference run's data).
         add_cli_options: adds the family's options to ``scripts/train_clm.py``'s parser (causal LMs only).
         config_kwargs: parsed arguments -> the family's config fields (the inverse of ``add_cli_options``).
         analysis_plot: the figure the main job draws for a trained model, or ``None``.
@@ -67,19 +62,30 @@ class Family:
 
     model_type: str
     title: str
-    config_class: type[PretrainedConfig]
     task_model_class: type[PreTrainedModel]
-    task_auto_class: type
     base_model_class: type[PreTrainedModel] | None
-    pipeline_tag: str
-    card_template: str
-    default_dataset: str
     variant_name: Callable[[PretrainedConfig], str]
     card_values: Callable[[PreTrainedModel], dict[str, Any]]
+    pipeline_tag: str = "text-generation"
+    default_dataset: str = "kjv"
     add_cli_options: Callable[[argparse.ArgumentParser], None] | None = None
     config_kwargs: Callable[[argparse.Namespace], dict[str, Any]] | None = None
     analysis_plot: AnalysisPlot | None = None
     from_llama: Callable[..., PreTrainedModel] | None = None
+
+    @property
+    def config_class(self) -> type[PretrainedConfig]:
+        return self.task_model_class.config_class
+
+    @property
+    def task_auto_class(self) -> type:
+        """The transformers Auto class that loads ``task_model_class``."""
+        return AUTO_CLASSES[self.pipeline_tag]
+
+    @property
+    def card_template(self) -> str:
+        """The model-card template's file name in ``model_cards/``."""
+        return f"{self.model_type}.md"
 
     @property
     def is_causal_lm(self) -> bool:
@@ -249,13 +255,8 @@ FAMILIES: Mapping[str, Family] = {
         Family(
             model_type="denseformer",
             title="DenseFormer",
-            config_class=DenseFormerConfig,
             task_model_class=DenseFormerForCausalLM,
-            task_auto_class=AutoModelForCausalLM,
             base_model_class=DenseFormerModel,
-            pipeline_tag="text-generation",
-            card_template="denseformer.md",
-            default_dataset="kjv",
             variant_name=lambda config: f"denseformer {config.dwa_dilation}x{config.dwa_period}",
             card_values=_denseformer_card_values,
             add_cli_options=_denseformer_cli,
@@ -266,13 +267,8 @@ FAMILIES: Mapping[str, Family] = {
         Family(
             model_type="moda",
             title="MoDA",
-            config_class=MoDAConfig,
             task_model_class=MoDAForCausalLM,
-            task_auto_class=AutoModelForCausalLM,
             base_model_class=MoDAModel,
-            pipeline_tag="text-generation",
-            card_template="moda.md",
-            default_dataset="kjv",
             variant_name=_moda_name,
             card_values=_moda_card_values,
             add_cli_options=_moda_cli,
@@ -283,13 +279,8 @@ FAMILIES: Mapping[str, Family] = {
         Family(
             model_type="attnres",
             title="AttnRes",
-            config_class=AttnResConfig,
             task_model_class=AttnResForCausalLM,
-            task_auto_class=AutoModelForCausalLM,
             base_model_class=AttnResModel,
-            pipeline_tag="text-generation",
-            card_template="attnres.md",
-            default_dataset="kjv",
             variant_name=_attnres_name,
             card_values=_attnres_card_values,
             add_cli_options=_attnres_cli,
@@ -300,13 +291,8 @@ FAMILIES: Mapping[str, Family] = {
         Family(
             model_type="mhc",
             title="mHC",
-            config_class=MHCConfig,
             task_model_class=MHCForCausalLM,
-            task_auto_class=AutoModelForCausalLM,
             base_model_class=MHCModel,
-            pipeline_tag="text-generation",
-            card_template="mhc.md",
-            default_dataset="kjv",
             variant_name=lambda config: f"mhc n{config.hc_mult}",
             card_values=_mhc_card_values,
             add_cli_options=_mhc_cli,
@@ -317,12 +303,9 @@ FAMILIES: Mapping[str, Family] = {
         Family(
             model_type="dwatt",
             title="DWAtt",
-            config_class=DWAttConfig,
             task_model_class=DWAttForTokenClassification,
-            task_auto_class=AutoModelForTokenClassification,
             base_model_class=None,
             pipeline_tag="token-classification",
-            card_template="dwatt.md",
             default_dataset="wnut_16",
             variant_name=lambda config: f"dwatt {config.fusion}",
             card_values=_dwatt_card_values,

@@ -20,8 +20,10 @@ def agg_pyplot():
 
 
 def save_figure(fig, path: str | Path) -> Path:
-    """Lay out ``fig``, write it to ``path`` (120 dpi; missing folders are created) and close it; returns ``path``."""
-    fig.tight_layout()
+    """Lay out ``fig`` (unless it has a layout engine), write it to ``path`` (120 dpi; missing folders are created)
+    and close it; returns ``path``."""
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .plotting import agg_pyplot
+from .plotting import agg_pyplot, save_figure
 
 
 def check_mhc_weights(weights: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -79,11 +79,7 @@ def plot_mhc_weights(weights: dict[str, torch.Tensor], path: str | Path,
             ax.set_yticks([])
     fig.colorbar(image, ax=comb_axes, shrink=0.8, label="comb[j, k]:\nstream j -> new stream k")
     fig.suptitle(title, fontsize=10)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_mhc_analysis(model, out_dir: str | Path, sample_ids: torch.Tensor, label: str) -> Path:

@@ -8,25 +8,8 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+from .plotting import agg_pyplot, save_figure
 from .recipes.study.tables import compare_summary, model_order
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
-    return path
 
 
 def plot_loss_curves(records: Sequence[dict], path: str | Path, title: str, include_start: bool = False) -> Path:
@@ -36,7 +19,7 @@ def plot_loss_curves(records: Sequence[dict], path: str | Path, title: str, incl
     The y-axis covers the evaluations after step 0, or all of them with ``include_start`` (continued training,
     where step 0 is the upcycled model).
     """
-    plt = _pyplot()
+    plt = agg_pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for spec in model_order(records):
         curves = [r["curve"] for r in records if r["spec"] == spec]
@@ -59,13 +42,13 @@ def plot_loss_curves(records: Sequence[dict], path: str | Path, title: str, incl
     ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_delta_vs_depth(records: Sequence[dict], path: str | Path, title: str) -> Path:
     """Final paired Δ validation loss to the same-seed Llama against depth, one line per spec, 95 % t-intervals
     as error bars (none for one seed)."""
-    plt = _pyplot()
+    plt = agg_pyplot()
     summary = compare_summary(records)
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     specs = [s for s in model_order(records) if s != "llama"]
@@ -87,7 +70,7 @@ def plot_delta_vs_depth(records: Sequence[dict], path: str | Path, title: str) -
     ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 __all__ = ["plot_delta_vs_depth", "plot_loss_curves"]
