@@ -27,8 +27,8 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 import depthfusion_hf  # noqa: F401  (registers the model types with the Auto classes)
 from depthfusion_hf.data.textfile import read_json_file
+from depthfusion_hf.export import export_model, push_folder_to_hub, validate_repo_id
 from depthfusion_hf.families import FAMILIES, get_family
-from depthfusion_hf.hub import export_model, push_folder_to_hub, validate_repo_id
 from depthfusion_hf.model_card import clm_results
 from depthfusion_hf.safe_folder import MARKER, ExportTargetError
 

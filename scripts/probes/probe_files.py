@@ -42,7 +42,7 @@ warnings.simplefilter("ignore")
 
 import depthfusion_hf  # noqa: E402,F401
 from depthfusion_hf import data as D  # noqa: E402
-from depthfusion_hf import hub as HUB  # noqa: E402
+from depthfusion_hf import export as HUB  # noqa: E402
 from depthfusion_hf import remote_code as RC  # noqa: E402
 from depthfusion_hf import safe_folder as SF  # noqa: E402
 from depthfusion_hf.data import corpus  # noqa: E402

@@ -167,19 +167,6 @@ def load_marker(folder: Path) -> Marker | None:
     return Marker(tuple(files), sha256, (identity[0], identity[1]))
 
 
-def read_marker(folder: str | os.PathLike) -> dict | None:
-    """``{"format", "files", "sha256"}`` of ``folder``'s marker when it is this package's, else ``None``.
-
-    Raises:
-        MarkerError: a marker of this package that cannot be trusted (see :func:`load_marker`).
-    """
-    marker = load_marker(Path(folder))
-    if marker is None:
-        return None
-    return {"format": FORMAT, "files": list(marker.files),
-            "sha256": {name: sorted(v) for name, v in marker.sha256.items()}}
-
-
 def folder_identity(folder: Path) -> tuple[int, int]:
     info = os.lstat(folder)
     return info.st_dev, info.st_ino

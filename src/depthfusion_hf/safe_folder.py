@@ -39,7 +39,6 @@ from .export_marker import (
     file_sha256,
     folder_identity,
     load_marker,
-    read_marker,
     remove_if_unchanged,
     umask,
     write_marker,
@@ -47,7 +46,7 @@ from .export_marker import (
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 __all__ = ["MARKER", "ExportTargetError", "MarkerError", "ReplacedEditedFilesWarning", "TargetState", "check_target",
-           "clean_stale_staging", "inspect_target", "read_marker", "write_folder"]
+           "clean_stale_staging", "inspect_target", "load_marker", "write_folder"]
 
 
 class ReplacedEditedFilesWarning(UserWarning):

@@ -19,7 +19,7 @@ from depthfusion_hf.export import (
     save_remote_code_folder,
 )
 from depthfusion_hf.families import FAMILIES
-from depthfusion_hf.safe_folder import MARKER, read_marker
+from depthfusion_hf.safe_folder import MARKER, load_marker
 
 from .builders import tiny_denseformer
 
@@ -43,7 +43,7 @@ def test_export_folder_is_complete(exported, family):
     assert (folder / "tokenizer.json").is_file()
     assert (folder / "generation_config.json").is_file() == (family != "dwatt")
     assert not list(folder.parent.glob(".*tmp-*")) and not list(folder.parent.glob(".*.old-*"))
-    listed = read_marker(folder)["files"]  # the export lists every file it wrote, and only those
+    listed = list(load_marker(folder).files)  # the export lists every file it wrote, and only those
     assert listed == sorted(p.name for p in folder.iterdir() if p.name != MARKER)
 
     card_text = (folder / "README.md").read_text()

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from depthfusion_hf.safe_folder import MARKER, ExportTargetError, clean_stale_staging, read_marker, write_folder
+from depthfusion_hf.safe_folder import MARKER, ExportTargetError, clean_stale_staging, load_marker, write_folder
 
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -226,7 +226,7 @@ def test_an_edited_file_is_refused_by_name_and_overwrite_replaces_only_what_it_n
             assert path.read_text() == edits[name]  # the user's version, not written again: kept
         else:
             assert not path.exists()  # the package's own old file, not written again: removed
-    assert read_marker(target)["files"] == sorted(rewritten)
+    assert list(load_marker(target).files) == sorted(rewritten)
 
 
 @pytest.mark.parametrize("where", ["README.md", MARKER])
@@ -273,7 +273,7 @@ def test_a_marker_without_hashes_is_a_foreign_file(tmp_path):
     assert "README.md, config.json" in str(error.value) and _snapshot(tmp_path) == before
     with pytest.raises(ExportTargetError, match=f"names of files the export writes.*{MARKER}"):
         write_folder(target, _writer({"config.json": "{}"}), overwrite=True)
-    assert _snapshot(tmp_path) == before and read_marker(target) is None
+    assert _snapshot(tmp_path) == before and load_marker(target) is None
 
 
 def test_an_interrupted_overwrite_update_is_finished_without_spurious_edits(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ import torch
 
 from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM
 from depthfusion_hf.export import check_export_folder, save_remote_code_folder
-from depthfusion_hf.safe_folder import MARKER, ExportTargetError, read_marker, write_folder
+from depthfusion_hf.safe_folder import MARKER, ExportTargetError, load_marker, write_folder
 
 from .test_export_safety import _hidden_siblings, _tree, _writer
 
@@ -66,7 +66,7 @@ def test_a_model_exported_with_overwrite_into_a_mount_point_keeps_the_volumes_en
     save_remote_code_folder(model, mount_point, overwrite=True)
     assert {k: v for k, v in _tree(mount_point).items() if k in before} == before
     assert (mount_point / "lost+found").is_dir() and check_export_folder(mount_point) == []
-    assert set(read_marker(mount_point)["files"]) >= {"config.json", "model.safetensors"}
+    assert set(load_marker(mount_point).files) >= {"config.json", "model.safetensors"}
     save_remote_code_folder(model, mount_point, overwrite=True)  # and again over its own export
     assert check_export_folder(mount_point) == [] and (mount_point / "notes.txt").read_text() == "the user's"
     assert [name for name in _volume_files(mount_point) if name.startswith(".") and name != MARKER] == []
@@ -76,7 +76,7 @@ def test_a_model_exported_with_overwrite_into_a_mount_point_keeps_the_volumes_en
 @pytest.mark.parametrize("mount_point", [False, True], ids=["mounted disk", "bind mount"], indirect=True)
 def test_an_empty_mount_point_takes_an_export_and_the_next_export_replaces_it(mount_point):
     write_folder(mount_point, _writer({"a.txt": "1", "sub/b.txt": "1"}))
-    assert (mount_point / "sub" / "b.txt").read_text() == "1" and read_marker(mount_point)["files"] == ["a.txt",
+    assert (mount_point / "sub" / "b.txt").read_text() == "1" and list(load_marker(mount_point).files) == ["a.txt",
                                                                                                           "sub/b.txt"]
     write_folder(mount_point, _writer({"a.txt": "2"}))  # a previous export: replaced without overwrite
     assert _volume_files(mount_point) == [MARKER, "a.txt"] and (mount_point / "a.txt").read_text() == "2"

@@ -24,7 +24,7 @@ from depthfusion_hf.safe_folder import (
     ExportTargetError,
     check_target,
     clean_stale_staging,
-    read_marker,
+    load_marker,
     write_folder,
 )
 
@@ -79,7 +79,7 @@ def tiny():
 def test_new_folder_is_marked_with_the_files_it_holds(tmp_path):
     target = write_folder(tmp_path / "out", _writer({"a.txt": "1", "sub/b.txt": "2"}))
     assert target == (tmp_path / "out").resolve()
-    assert read_marker(target)["files"] == ["a.txt", "sub/b.txt"]
+    assert list(load_marker(target).files) == ["a.txt", "sub/b.txt"]
     assert sorted(_tree(target)) == [MARKER, "a.txt", "sub/b.txt"]
     assert _hidden_siblings(target) == []
 
@@ -88,7 +88,7 @@ def test_previous_export_is_replaced_and_its_stale_files_go(tmp_path):
     target = write_folder(tmp_path / "out", _writer({"a.txt": "old", "b.txt": "old"}))
     write_folder(target, _writer({"a.txt": "new"}))
     assert (target / "a.txt").read_text() == "new" and not (target / "b.txt").exists()
-    assert read_marker(target)["files"] == ["a.txt"]
+    assert list(load_marker(target).files) == ["a.txt"]
     assert _hidden_siblings(target) == []  # no staging or backup folder left
 
 
@@ -122,7 +122,7 @@ def test_previous_export_with_added_files_is_refused_then_kept_with_overwrite(tm
     assert (target / "notes.txt").read_text() == "mine" and (target / "extra" / "x.bin").read_bytes() == b"x"
     assert (target / "a.txt").read_text() == "new" and (target / "c.txt").read_text() == "new"
     assert not (target / "b.txt").exists()  # the previous export's own file, not written again
-    assert read_marker(target)["files"] == ["a.txt", "c.txt"]
+    assert list(load_marker(target).files) == ["a.txt", "c.txt"]
     assert _hidden_siblings(target) == []
 
 
@@ -131,7 +131,7 @@ def test_overwrite_writes_beside_foreign_entries_and_never_replaces_a_foreign_fi
     foreign = _tree(target)
     write_folder(target, _writer({"a.txt": "1"}), overwrite=True)
     assert {k: v for k, v in _tree(target).items() if k in foreign} == foreign  # every foreign file kept as it was
-    assert (target / "a.txt").read_text() == "1" and read_marker(target)["files"] == ["a.txt"]
+    assert (target / "a.txt").read_text() == "1" and list(load_marker(target).files) == ["a.txt"]
     before = _tree(target)
     with pytest.raises(ExportTargetError, match=r"with the names of files the export writes.*: notes.txt"):
         write_folder(target, _writer({"a.txt": "2", "notes.txt": "clobber"}), overwrite=True)
@@ -243,7 +243,7 @@ def test_model_export_into_a_run_folder_is_refused_and_overwrite_keeps_it(tiny, 
     save_remote_code_folder(tiny, run, overwrite=True)
     assert {k: v for k, v in _tree(run).items() if k in before} == before
     assert check_export_folder(run) == []
-    assert set(read_marker(run)["files"]) >= {"config.json", "model.safetensors", "modeling_denseformer.py"}
+    assert set(load_marker(run).files) >= {"config.json", "model.safetensors", "modeling_denseformer.py"}
 
 
 def test_bad_repo_id_is_refused_before_anything_is_written(tiny, tmp_path):
@@ -303,7 +303,7 @@ def test_export_killed_mid_write_keeps_the_old_folder_and_the_next_export_cleans
         child.stdout.close()
     assert child.returncode == -signal.SIGKILL
     assert _tree(target) == before  # the old export survived
-    assert staging.is_dir() and staging.name.startswith(f".exp.tmp-{child.pid}-") and read_marker(staging) is not None
+    assert staging.is_dir() and staging.name.startswith(f".exp.tmp-{child.pid}-") and load_marker(staging) is not None
     save_remote_code_folder(tiny, target)
     assert not staging.exists() and _hidden_siblings(target) == []
     assert check_export_folder(target) == []

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from depthfusion_hf.data.corpus import load_documents, pack_into_blocks, split_documents, train_bpe_tokenizer
-from depthfusion_hf.safe_folder import read_marker
+from depthfusion_hf.safe_folder import load_marker
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--config", str(REPO / "configs" / "clm_tiny.json"), "--max_steps", "8", "--eval_steps", "4",
@@ -77,7 +77,7 @@ def test_main_job_trains_both_models_and_writes_everything(tmp_path):
     assert model.config.dwa_dilation == 2 and len(tokenizer) == 400
     assert not torch.equal(model.model.dwa.alphas, model.model.dwa.identity_alphas())  # the DWA weights trained
     for kind in ("denseformer", "llama"):  # both final folders are marked exports, so a rerun may replace them
-        assert "model.safetensors" in read_marker(out / kind / "final")["files"]
+        assert "model.safetensors" in load_marker(out / kind / "final").files
 
 
 def test_moda_run_draws_its_depth_share_plot(tmp_path):
