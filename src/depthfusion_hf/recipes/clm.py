@@ -7,7 +7,6 @@ tests) call: the model factory, the training arguments, one training run, and th
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import os
 import time
@@ -28,7 +27,7 @@ from transformers import (
 )
 
 from ..convert import load_llama_start, load_source, source_config_fields
-from ..data.textfile import DataFormatError, read_text
+from ..data.textfile import DataFormatError, read_json_file
 from ..families import FAMILIES, Family, causal_lm_families
 from ..models.transformers_compat import CHECKPOINTING_TRAINING_ARG
 from ..remote_code import save_model_folder
@@ -59,11 +58,7 @@ def load_arch(path: str | Path, kind: str | None = None) -> dict:
             miss of a config field (``num_hiden_layers``; names the nearest field). A family's own config class then
             refuses misspelt family options (e.g. ``dwa_dilaton``).
     """
-    text = read_text(path)
-    try:
-        arch = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise DataFormatError(path, error.lineno, f"not valid JSON: {error.msg} (column {error.colno})") from error
+    arch = read_json_file(path)
     if not isinstance(arch, dict):
         raise DataFormatError(path, None, f"a model config must be a JSON object; got {type(arch).__name__}")
     model_type = arch.get("model_type")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -52,6 +51,7 @@ from .ner import (
     sample_training_set,
 )
 from .study.stats import paired_summary
+from .study.store import write_json_atomic, write_text_atomic
 
 Sentence = dict[str, list[str]]
 
@@ -249,23 +249,6 @@ class RunStore:
     def all(self) -> list[dict]:
         """Every stored record."""
         return [json.loads(p.read_text()) for p in sorted((self.root / "runs").glob("*/*/*/*.json"))]
-
-
-def write_json_atomic(path: Path, value) -> None:
-    """Write ``value`` as JSON to ``path`` through a temporary file in the same folder."""
-    write_text_atomic(path, json.dumps(value, indent=2))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder (readers see old or new)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(handle, "w") as out:
-        out.write(text)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(temporary, 0o666 & ~umask)  # mkstemp creates 0600; give the file an ordinary file's mode
-    os.replace(temporary, path)
 
 
 def check_or_write_study_file(settings: NerStudySettings) -> None:

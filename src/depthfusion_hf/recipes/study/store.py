@@ -24,6 +24,23 @@ def _flatten(settings: dict, prefix: str = "") -> dict:
     return flat
 
 
+def write_json_atomic(path: Path, value) -> None:
+    """Write ``value`` as JSON to ``path`` through a temporary file in the same folder."""
+    write_text_atomic(path, json.dumps(value, indent=2))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder (readers see old or new)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(handle, "w", encoding="utf-8") as out:
+        out.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temporary, 0o666 & ~umask)  # mkstemp creates 0600; give the file an ordinary file's mode
+    os.replace(temporary, path)
+
+
 class SettingsMismatch(ValueError):
     """A study folder holds runs made with other settings; mixing them would compare unlike runs."""
 
@@ -99,10 +116,7 @@ class RunStore:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         record = dict(record, key=key, settings=self.settings, spec_names=SPEC_NAMES)
         path = self.path(key)
-        handle, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.runs_dir)
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(record, out, indent=1, default=str)
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(record, indent=1, default=str))
         return path
 
     def records(self) -> list[dict]:
@@ -113,4 +127,4 @@ class RunStore:
         return [self._check(json.loads(p.read_text(encoding="utf-8")), p) for p in paths]
 
 
-__all__ = ["RunStore", "SettingsMismatch"]
+__all__ = ["RunStore", "SettingsMismatch", "write_json_atomic", "write_text_atomic"]
