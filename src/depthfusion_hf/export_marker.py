@@ -20,6 +20,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 MARKER = ".depthfusion-export.json"
 WRITER = "depthfusion-hf"
@@ -44,6 +45,15 @@ class Marker:
     sha256: dict[str, frozenset[str]]
     folder: tuple[int, int]
 
+
+
+def sha256_hex(handle: BinaryIO) -> str:
+    """The hex sha256 of an open binary file from its position, read in 1 MiB chunks (``hashlib.file_digest`` needs
+    Python 3.11; the package supports 3.10)."""
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: handle.read(1 << 20), b""):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 def _entry_problem(name: object) -> str | None:
     """Why ``name`` cannot be a marker entry (``None`` when it is a plain relative path inside the folder)."""
@@ -91,7 +101,7 @@ def file_sha256(folder: Path, relative: str) -> str | None:
     os.close(opened[0])
     with os.fdopen(opened[1], "rb") as handle:
         try:
-            return hashlib.file_digest(handle, "sha256").hexdigest()
+            return sha256_hex(handle)
         except OSError:
             return None
 
@@ -105,7 +115,7 @@ def remove_if_unchanged(folder: Path, relative: str, hashes: frozenset[str]) -> 
     parent, fd = opened
     try:
         with os.fdopen(fd, "rb") as handle:
-            if hashlib.file_digest(handle, "sha256").hexdigest() not in hashes:
+            if sha256_hex(handle) not in hashes:
                 return False
         os.unlink(relative.rsplit("/", 1)[-1], dir_fd=parent)
         return True

@@ -10,7 +10,6 @@ sha256: any later load is a plain ``from_pretrained(folder)``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +18,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedConfig
 from transformers.utils import cached_file
+
+from .export_marker import sha256_hex
 
 try:  # newer transformers ask for dequantisation; older ones (5.16.1 has no GgufConfig) always dequantise a GGUF file
     from transformers import GgufConfig
@@ -46,12 +47,9 @@ def resolve_gguf(model_or_path: str | os.PathLike, gguf_file: str, **hub_kwargs)
 
 
 def sha256_of(path: str | os.PathLike) -> str:
-    """The hex sha256 of a file, read in 1 MiB chunks (``hashlib.file_digest`` needs Python 3.11)."""
-    digest = hashlib.sha256()
+    """The hex sha256 of a file."""
     with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return sha256_hex(handle)
 
 
 def drop_quantization_settings(model) -> None:
