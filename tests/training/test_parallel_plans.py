@@ -18,7 +18,8 @@ from .builders import tiny_denseformer, tiny_dwatt, tiny_moda, token_batch
 
 HERE = Path(__file__).resolve().parent
 BUILDERS = {"denseformer": tiny_denseformer, "moda": tiny_moda, "dwatt": tiny_dwatt}
-DECODER_LAYERS = {"denseformer": "DenseFormerDecoderLayer", "moda": "MoDADecoderLayer", "dwatt": "BertLayer"}
+DECODER_LAYERS = {"denseformer": "LlamaDecoderLayer",  # the backbone's own layer (issue 30)
+                  "moda": "MoDADecoderLayer", "dwatt": "BertLayer"}
 
 
 def plan_regex(pattern: str) -> re.Pattern:

@@ -108,8 +108,15 @@ def backbone_model_class(config: PreTrainedConfig) -> type:
 
 def build_backbone(config: PreTrainedConfig) -> nn.Module:
     """The backbone's base model built from ``decoder_config(config)``; the family takes its ``embed_tokens``,
-    ``layers``, ``norm`` and ``rotary_emb``."""
-    return backbone_model_class(config)(decoder_config(config))
+    ``layers``, ``norm`` and ``rotary_emb``. The legacy ``config.gradient_checkpointing = True``, which a model's
+    ``post_init`` consumes (and deletes), is left for the family model's own ``post_init``: its layers are the ones
+    to checkpoint."""
+    decoder = decoder_config(config)
+    legacy_checkpointing = getattr(decoder, "gradient_checkpointing", None)
+    backbone = backbone_model_class(config)(decoder)
+    if legacy_checkpointing is not None:
+        decoder.gradient_checkpointing = legacy_checkpointing
+    return backbone
 
 
 def init_backbone_weights(model: nn.Module, module: nn.Module) -> None:

@@ -217,10 +217,14 @@ class DecoderConfigMixin(LlamaConfig):
     if SubConfigSpec is not None:
         sub_configs_defaults = {"backbone_config": SubConfigSpec(config_class=AutoConfig, model_type=DEFAULT_BACKBONE,
                                                                  optional=True)}
-    else:  # transformers < 5.20
-        sub_configs = {"backbone_config": AutoConfig}
 
     backbone_config: dict | PreTrainedConfig | None = None
+
+    @property
+    def sub_configs(self) -> dict:
+        """The sub-configs transformers walks (``attn_implementation``; tests that set RoPE on each):
+        ``backbone_config`` where the family is built on one; none for a Llama family config (its own decoder)."""
+        return {"backbone_config": AutoConfig} if self.__dict__.get("backbone_config") is not None else {}
 
     def __post_init__(self, **kwargs):
         # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
