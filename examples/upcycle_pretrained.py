@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows[name] = dict(family=family, max_abs_dlogit=diff, relative=diff / scale, perplexity=ppl,
                           greedy_equal=same, gate=gate)
         if args.steps:
-            lr_scale = args.new_param_lr_scale or recommended_new_param_lr_scale(family)
+            lr_scale = args.new_param_lr_scale or recommended_new_param_lr_scale(family, model.config)
             losses = train(model, train_blocks, args.steps, args.batch_size, args.learning_rate, lr_scale)
             rows[name].update(trained_perplexity=perplexity(model, held_out), lr_scale=lr_scale, train_loss=losses)
             print(f"  {args.steps} steps (new parameters at {lr_scale:g}x): train loss {losses[0]:.3f} -> "
