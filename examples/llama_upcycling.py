@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, model in {"Llama": llama, **models}.items():
         kind = model.config.model_type
         scale = args.new_param_lr_scale
-        scale = recommended_new_param_lr_scale(kind) if scale is None else scale
+        scale = recommended_new_param_lr_scale(kind, model.config) if scale is None else scale
         losses = train(model, train_blocks, steps=args.steps, new_param_lr_scale=scale, seed=1)
         rate = "" if kind == "llama" else f"   (new parameters at {scale:g}x the rate)"
         print(f"  {name:<28} train loss {losses[0]:.3f} -> {losses[-1]:.3f}   validation loss {val_loss(model):.3f}"

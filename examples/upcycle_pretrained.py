@@ -115,15 +115,18 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--eval_blocks", type=int, default=4)
     parser.add_argument("--eval_block_size", type=int, default=256)
     parser.add_argument("--max_new_tokens", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed s trains on the s-th run of steps x batch_size consecutive blocks (disjoint across "
+                             "seeds; 0: the first) and seeds torch (new parameters' random init)")
     parser.add_argument("--output_dir", default="outputs/upcycle_pretrained", help="where results.json goes")
     args = parser.parse_args(argv)
     args.families = [name.strip() for name in args.families.split(",") if name.strip()]
     unknown = [name for name in args.families if name not in VARIANTS]
     if unknown:
         parser.error(f"--families: {unknown} not among {list(VARIANTS)}")
-    for name in ("steps", "batch_size", "block_size", "eval_blocks", "eval_block_size", "max_new_tokens"):
-        if getattr(args, name) < (0 if name == "steps" else 1):
-            parser.error(f"--{name} must be >= {0 if name == 'steps' else 1}; got {getattr(args, name)}")
+    for name in ("steps", "batch_size", "block_size", "eval_blocks", "eval_block_size", "max_new_tokens", "seed"):
+        if getattr(args, name) < (0 if name in ("steps", "seed") else 1):
+            parser.error(f"--{name} must be >= {0 if name in ('steps', 'seed') else 1}; got {getattr(args, name)}")
     if args.new_param_lr_scale is not None and not args.new_param_lr_scale > 0:
         parser.error(f"--new_param_lr_scale must be > 0; got {args.new_param_lr_scale}")
     if args.source is None:
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     load = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     llama = load_source(args.source, **load).eval()  # the source, float32 (a GGUF file is dequantised and cached)
@@ -143,8 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     chapters = load_kjv_chapters()
     held_out = torch.tensor(pack_into_blocks(tokenizer, chapters[-HELD_OUT_CHAPTERS:], args.eval_block_size,
                                              max_blocks=args.eval_blocks)["input_ids"])
+    per_seed = max(1, args.steps * args.batch_size)
     train_blocks = torch.tensor(pack_into_blocks(tokenizer, chapters[:-HELD_OUT_CHAPTERS], args.block_size,
-                                                 max_blocks=max(1, args.steps * args.batch_size))["input_ids"])
+                                                 max_blocks=(args.seed + 1) * per_seed)["input_ids"])[-per_seed:]
     source_ppl = perplexity(llama, held_out)
     source_text = greedy_answers(llama, tokenizer, args.max_new_tokens)
     with torch.no_grad():
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows[name] = dict(family=family, max_abs_dlogit=diff, relative=diff / scale, perplexity=ppl,
                           greedy_equal=same, gate=gate)
         if args.steps:
-            lr_scale = args.new_param_lr_scale or recommended_new_param_lr_scale(family)
+            lr_scale = args.new_param_lr_scale or recommended_new_param_lr_scale(family, model.config)
             losses = train(model, train_blocks, args.steps, args.batch_size, args.learning_rate, lr_scale)
             rows[name].update(trained_perplexity=perplexity(model, held_out), lr_scale=lr_scale, train_loss=losses)
             print(f"  {args.steps} steps (new parameters at {lr_scale:g}x): train loss {losses[0]:.3f} -> "

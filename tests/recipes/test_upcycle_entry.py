@@ -199,3 +199,16 @@ def test_the_upcycle_script_wants_init_from_with_a_gguf_file(capsys):
         load_script("upcycle").parse_args(["--gguf_file", "model.gguf"])
     assert exit_info.value.code == 2
     assert "--gguf_file names a file in the --init_from folder" in capsys.readouterr().err
+
+
+def test_the_new_parameter_rate_follows_the_moda_conversion():
+    """The learning-rate rule for the parameters a Llama lacks: MoDA upcycled with closed depth gates (the default)
+    trains them at 1x (docs/RESULTS.md, SmolLM2, 3 seeds), the ungated conversion at 10x, as DenseFormer."""
+    from depthfusion_hf.recipes.clm import recommended_new_param_lr_scale
+
+    gated, ungated = upcycle(tiny_llama(), "moda"), upcycle(tiny_llama(), "moda", depth_gate=False)
+    assert gated.config.moda_depth_gate and not ungated.config.moda_depth_gate
+    assert recommended_new_param_lr_scale("moda", gated.config) == 1.0
+    assert recommended_new_param_lr_scale("moda", ungated.config) == recommended_new_param_lr_scale("moda") == 10.0
+    dense = upcycle(tiny_llama(), "denseformer")
+    assert recommended_new_param_lr_scale("denseformer", dense.config) == 10.0

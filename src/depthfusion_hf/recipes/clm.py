@@ -170,12 +170,18 @@ def start_from_seeded_llama(model: PreTrainedModel, tokenizer, seed: int) -> boo
 # The learning-rate multiple of the parameters a Llama lacks when a family is upcycled, chosen on validation by the
 # upcycling study (docs/RESULTS.md, "Upcycling"; 3 seeds, 12 layers, width 64): 10x for the DWA weights and MoDA's
 # FFN-side K/V projections, 1x for AttnRes's pseudo-queries (10x was worse on 2 of 3 seeds) and mHC's connections
-# (10x behind on 3 of 3). A family without an entry starts at 1x.
+# (10x behind on 3 of 3). A family without an entry starts at 1x. MoDA's 10x is for its ungated conversion
+# (depth_gate=False); converted with closed depth gates (llama_to_moda's default) its new parameters train at 1x:
+# on SmolLM2-135M, 10x ended above 1x in held-out perplexity on 3 of 3 seeds (docs/RESULTS.md, "real pretrained").
 RECOMMENDED_NEW_PARAM_LR_SCALE = {"denseformer": 10.0, "moda": 10.0, "attnres": 1.0, "mhc": 1.0}
+GATED_MODA_NEW_PARAM_LR_SCALE = 1.0
 
 
-def recommended_new_param_lr_scale(kind: str) -> float:
-    """The new parameters' learning-rate multiple for an upcycled ``kind`` (1 for the Llama and unlisted families)."""
+def recommended_new_param_lr_scale(kind: str, config: PretrainedConfig | None = None) -> float:
+    """The new parameters' learning-rate multiple for an upcycled ``kind`` (1 for the Llama and unlisted families);
+    pass the upcycled model's ``config`` so that a MoDA with depth gates (``moda_depth_gate``) gets its own."""
+    if kind == "moda" and getattr(config, "moda_depth_gate", False):
+        return GATED_MODA_NEW_PARAM_LR_SCALE
     return RECOMMENDED_NEW_PARAM_LR_SCALE.get(kind, 1.0)
 
 
@@ -480,7 +486,8 @@ def results_table(results: list[RunResult]) -> str:
 
 
 __all__ = [
-    "DepthFusionTrainer", "MODEL_KINDS", "RECOMMENDED_NEW_PARAM_LR_SCALE", "RunResult", "TrainSettings",
+    "DepthFusionTrainer", "GATED_MODA_NEW_PARAM_LR_SCALE", "MODEL_KINDS", "RECOMMENDED_NEW_PARAM_LR_SCALE",
+    "RunResult", "TrainSettings",
     "baseline_arch", "build_config", "build_model", "family_kwargs", "get_last_checkpoint", "is_main_process",
     "load_arch", "recommended_new_param_lr_scale", "results_table", "sharded_training", "start_from_seeded_llama",
     "train_one", "training_arguments", "unsharded_model",
