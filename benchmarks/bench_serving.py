@@ -9,7 +9,8 @@ engine per process, run in that process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, e
 loads the folder with ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` for HF ``generate``.
 
 One timed call = one batch of ``--batch`` prompts of ``--prompt-len`` random token ids (the same prompts for every
-model), ``--new-tokens`` greedy tokens each (EOS ignored): ``LLM.generate`` in vLLM, ``model.generate`` (dynamic
+model), exactly ``--new-tokens`` greedy tokens each (EOS masked until then: vLLM's ``min_tokens``, HF's
+``min_new_tokens``): ``LLM.generate`` in vLLM, ``model.generate`` (dynamic
 cache) in HF. Throughput = generated tokens / process CPU time of the worker (``harness.clock``: steady on the
 shared machine; wall time is recorded too). The calls are interleaved (``harness.interleave``'s order: repeat i runs
 every model's vLLM and HF call once, the order reversed every other repeat, after a warm-up round). Ratios are
@@ -137,7 +138,8 @@ def vllm_call(folder: str, prompts: list[list[int]], new_tokens: int, settings: 
               enforce_eager=settings["mode"] == "eager", skip_tokenizer_init=True, seed=0,
               max_model_len=len(prompts[0]) + new_tokens, max_num_seqs=len(prompts),
               kv_cache_memory_bytes=settings["kv_cache_mib"] << 20, distributed_executor_backend="uni")
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    # min_tokens masks EOS until max_tokens, as HF's min_new_tokens does: both generate exactly new_tokens
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, detokenize=False)
     vllm_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     return lambda: [list(o.outputs[0].token_ids) for o in llm.generate(vllm_prompts, params, use_tqdm=False)]
 
