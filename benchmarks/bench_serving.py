@@ -54,6 +54,7 @@ BASELINE = "llama"
 ENGINES = ("vllm", "hf")
 DEFAULT_MODELS = ["denseformer-1x1", "denseformer-4x5", "attnres-block8", "mhc"]
 BOUND = 0.85  # family / Llama vLLM tokens/s, median of the paired ratios (issue 29)
+PROFILE_TOKENS = 8  # new tokens of the profiled call
 RESULT = "BENCH_RESULT "  # the worker's answer lines on stdout (vLLM logs there too)
 
 
@@ -61,13 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help=f"family models (always beside {BASELINE})")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256, help="heads of 64 (vLLM's CPU attention needs head_dim >= 32)")
-    p.add_argument("--intermediate", type=int, default=688)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3, help="the bar is judged on >= 3")
+    p.add_argument("--hidden", type=int, default=512, help="heads of 64 (vLLM's CPU attention needs head_dim >= 32)")
+    p.add_argument("--intermediate", type=int, default=1376)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5, help="the bar is judged on >= 3")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--mode", choices=["eager", "compiled"], default="eager",
                    help="eager: enforce_eager=True; compiled: vLLM's torch.compile of the model")
@@ -118,19 +119,19 @@ def worker(folder: str, settings: dict) -> None:
         if command == "profile":
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                call()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:  # a short call: the trace grows with every op
+                call(min(new_tokens, PROFILE_TOKENS))
             answer({"profile": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)})
             continue
         if command != "run":
             raise ValueError(f"worker command must be run, profile or quit; got {command!r}")
         cpu, wall = time.process_time(), time.perf_counter()
-        tokens = call()
+        tokens = call(new_tokens)
         answer({"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall, "tokens": tokens})
 
 
 def vllm_call(folder: str, prompts: list[list[int]], new_tokens: int, settings: dict):
-    """A function generating the batch with vLLM from ``folder``: the new token ids [B][new_tokens]."""
+    """A function of ``tokens`` generating the batch with vLLM from ``folder``: the new token ids [B][tokens]."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -139,21 +140,25 @@ def vllm_call(folder: str, prompts: list[list[int]], new_tokens: int, settings: 
               max_model_len=len(prompts[0]) + new_tokens, max_num_seqs=len(prompts),
               kv_cache_memory_bytes=settings["kv_cache_mib"] << 20, distributed_executor_backend="uni")
     # min_tokens masks EOS until max_tokens, as HF's min_new_tokens does: both generate exactly new_tokens
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, detokenize=False)
     vllm_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    return lambda: [list(o.outputs[0].token_ids) for o in llm.generate(vllm_prompts, params, use_tqdm=False)]
+
+    def call(tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, detokenize=False)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(vllm_prompts, params, use_tqdm=False)]
+
+    return call
 
 
 def hf_call(folder: str, prompts: list[list[int]], new_tokens: int, settings: dict):
-    """A function generating the batch with HF ``generate`` (greedy, dynamic cache) from ``folder``."""
+    """A function of ``tokens`` generating the batch with HF ``generate`` (greedy, dynamic cache) from ``folder``."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
-    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                              eos_token_id=None)
     input_ids = torch.tensor(prompts)
 
-    def call() -> list[list[int]]:
+    def call(tokens: int) -> list[list[int]]:
+        config = GenerationConfig(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None)
         with torch.no_grad():
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
         return out[:, input_ids.shape[1]:].tolist()
