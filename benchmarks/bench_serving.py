@@ -4,20 +4,21 @@
 Every model (``benchmarks/model_zoo.py`` names: ``llama`` and by default ``denseformer-1x1``, ``denseformer-4x5``,
 ``attnres-block8``, ``mhc``; random weights, float32) is saved as a folder -- the families with
 ``save_remote_code_folder``, the Llama with ``save_pretrained`` -- and served the same way,
-``vllm.LLM(folder, model_impl="transformers", trust_remote_code=True)``, each in its own worker process (one vLLM
-engine per process, run in that process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``"uni"``). The worker also
-loads the folder with ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` for HF ``generate``.
+``vllm.LLM(folder, model_impl="transformers", trust_remote_code=True)``, in its own worker process (one vLLM engine
+per process, run in that process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``"uni"``). A second worker per
+model loads the folder with ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` for HF
+``generate``, without vLLM (which patches transformers' Llama classes when it loads one).
 
 One timed call = one batch of ``--batch`` prompts of ``--prompt-len`` random token ids (the same prompts for every
 model), exactly ``--new-tokens`` greedy tokens each (EOS masked until then: vLLM's ``min_tokens``, HF's
-``min_new_tokens``): ``LLM.generate`` in vLLM, ``model.generate`` (dynamic
-cache) in HF. Throughput = generated tokens / process CPU time of the worker (``harness.clock``: steady on the
-shared machine; wall time is recorded too). The calls are interleaved (``harness.interleave``'s order: repeat i runs
-every model's vLLM and HF call once, the order reversed every other repeat, after a warm-up round). Ratios are
-paired per repeat (``harness.paired``): family ÷ Llama in vLLM, vLLM ÷ HF per model. Every vLLM batch must give the
-tokens HF ``generate`` gives, or the run stops. The bar (issue 29): each family >= 0.85x the Llama in vLLM; with a
-family under it the run profiles one vLLM call of that family and of the Llama (torch profiler, top ops by self CPU
-time) and records both. Results: a markdown table, one JSON line appended to ``docs/bench/serving.jsonl``.
+``min_new_tokens``): ``LLM.generate`` in vLLM, ``model.generate`` (dynamic cache) in HF. Throughput = generated
+tokens / process CPU time of the worker (``harness.clock``: steady on the shared machine; wall time is recorded too).
+The calls are interleaved (``harness.interleave``'s order: repeat i runs every worker's call once, the order reversed
+every other repeat, after a warm-up round). Ratios are paired per repeat (``harness.paired``): family ÷ Llama in
+vLLM, vLLM ÷ HF per model. Every vLLM batch must give the tokens HF ``generate`` gives, or the run stops. The bar
+(issue 29): each family >= 0.85x the Llama in vLLM; with a family under it the run profiles one short vLLM call of
+that family and of the Llama (torch profiler, top ops by self CPU time) and records both. Results: a markdown table,
+one JSON line appended to ``docs/bench/serving.jsonl``.
 
 Run it with the vLLM venv's interpreter (``scripts/setup_vllm.sh``)::
 
