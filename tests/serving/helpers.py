@@ -89,9 +89,10 @@ def export(family: str, folder: Path, seed: int = 0) -> tuple[torch.nn.Module, P
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    """transformers' greedy ``generate`` of one unpadded prompt: the ``new_tokens`` generated ids (EOS not stopping,
-    as vLLM's ``ignore_eos``)."""
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    """transformers' greedy ``generate`` of one unpadded prompt: exactly ``new_tokens`` generated ids, EOS masked
+    until then (``min_new_tokens``, as vLLM's ``min_tokens``). Not ``eos_token_id=None``: ``generate`` fills it from
+    the model's generation config and stops at EOS, where vLLM's ``ignore_eos`` goes on."""
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              generation_config=config)
@@ -111,7 +112,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 folder, mode, prompts, new_tokens, engine_args = sys.argv[1:6]
 llm = LLM(model=folder, enforce_eager=mode == "eager", **json.loads(engine_args))
-params = SamplingParams(temperature=0, max_tokens=int(new_tokens), ignore_eos=True)
+params = SamplingParams(temperature=0, max_tokens=int(new_tokens), min_tokens=int(new_tokens))
 outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts)], params)
 print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
 """

@@ -82,8 +82,8 @@ def server(tmp_path_factory):
 
 
 def completion_body(folder, stream: bool) -> dict:
-    return {"model": str(folder), "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+    return {"model": str(folder), "prompt": PROMPT, "max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS,
+            "temperature": 0, "stream": stream}
 
 
 def test_completion_equals_hf_generate(server):
