@@ -214,13 +214,14 @@ FFN_KV_INITS = ("zero", "zero_value", "copy_kv")
 
 @torch.no_grad()
 def init_ffn_kv_from_llama(model: MoDAForCausalLM, rule: str) -> None:
-    """Initialise every ``ffn_kv_proj`` [2 * Hkv * d, D] (rows laid out [Hkv, 2, d]) by ``rule``.
+    """Initialise every ``ffn_kv_proj`` [2 * Hkv * d, D] (rows laid out [Hkv, 2, d]; its bias, where the layer's
+    k_proj has one, likewise) by ``rule``, and every ``ffn_k_norm`` (Qwen3) as a copy of the layer's ``k_norm``.
 
     - ``"zero"``: key and value rows 0. Each FFN entry has logit 0 and value 0: it adds ``exp(0)`` to
       the softmax denominator and nothing to the output (an attention sink of fixed logit 0).
     - ``"zero_value"``: key rows copied from the layer's ``k_proj``, value rows 0.
     - ``"copy_kv"``: key and value rows copied from the layer's ``k_proj`` / ``v_proj``, i.e. the entry is
-      what the layer's attention would write for the FFN input.
+      what the layer's attention would write for the FFN input (on Qwen3, normalised by the copied k-norm).
     """
     if rule not in FFN_KV_INITS:
         raise ValueError(f"ffn_kv_init must be one of {FFN_KV_INITS}; got {rule!r}")
@@ -230,6 +231,8 @@ def init_ffn_kv_from_llama(model: MoDAForCausalLM, rule: str) -> None:
         weight = layer.ffn_kv_proj.weight.view(layer.num_key_value_heads, 2, layer.head_dim, -1)
         weight.zero_()
         attn = layer.self_attn
+        if attn.normalises_heads:
+            layer.ffn_k_norm.weight.copy_(attn.k_norm.weight)
         if rule in ("zero_value", "copy_kv"):
             weight[:, 0].copy_(attn.k_proj.weight.view(layer.num_key_value_heads, layer.head_dim, -1))
         if rule == "copy_kv":
@@ -292,9 +295,10 @@ def llama_to_moda(
     calibration_ids: torch.LongTensor | None = None,
     **load_kwargs,
 ) -> MoDAForCausalLM:
-    """Convert a ``LlamaForCausalLM`` (object, folder or Hub id) into a pre-norm MoDA model.
+    """Convert a ``LlamaForCausalLM`` (object, folder or Hub id), or the causal LM of another backbone MoDA supports
+    (``MoDAConfig.supported_backbones``: Mistral, Qwen2, Qwen3), into a pre-norm MoDA model on that backbone.
 
-    Every Llama weight is copied under the same name. With ``depth_gate`` (the default) every layer that reads
+    Every source weight is copied under the same name. With ``depth_gate`` (the default) every layer that reads
     depth entries gets a learned per-head depth gate that starts closed (``moda_depth_gate=True``,
     ``moda_depth_gate_init=0.0``): the depth entries get weight exactly 0, so the converted model's logits equal
     the Llama's (float32 rounding), and continued training opens the gates (their gradient at 0 is
@@ -334,7 +338,7 @@ def llama_to_moda(
     model = MoDAForCausalLM(config)
     keep_llama_settings(llama, model)
     new_keys = tuple(f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers)
-                     for name in ("ffn_kv_proj.", "self_attn.depth_gate"))  # (the gate's scale too)
+                     for name in ("ffn_kv_proj.", "ffn_k_norm.", "self_attn.depth_gate"))  # (the gate's scale too)
     copy_llama_weights(llama, model, new_keys=new_keys)
     init_ffn_kv_from_llama(model, ffn_kv_init)
     if config.tie_word_embeddings:

@@ -1,4 +1,5 @@
-"""MoDA configuration: a Llama-style decoder plus the mixture-of-depths attention knobs."""
+"""MoDA configuration: a Llama-style decoder (or a Mistral, Qwen2 or Qwen3 backbone) plus the mixture-of-depths
+attention knobs."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ NORM_POSITIONS = ("pre", "post")
 class MoDAConfig(DecoderConfigMixin):
     r"""Configuration of a MoDA decoder (Zhu et al., 2026, arXiv 2603.15619).
 
-    A Llama decoder (RMSNorm, RoPE, SwiGLU, GQA; every Llama field keeps its meaning) whose attention
-    also reads, in the same softmax, the depth stream of the query's own token: the attention K/V of
-    every earlier layer and, with ``moda_ffn_kv``, one FFN-side K/V pair per earlier layer.
+    A Llama decoder (RMSNorm, RoPE, SwiGLU, GQA; every Llama field keeps its meaning), or with ``backbone_config``
+    a Mistral, Qwen2 or Qwen3 one (:attr:`supported_backbones`), whose attention also reads, in the same softmax,
+    the depth stream of the query's own token: the attention K/V of every earlier layer and, with ``moda_ffn_kv``,
+    one FFN-side K/V pair per earlier layer.
 
     Args:
         moda_ffn_kv (`bool`, defaults to True): add the paper's "Extra FFN KV Proj.": each layer
@@ -46,7 +48,8 @@ class MoDAConfig(DecoderConfigMixin):
         >>> config = MoDAConfig(num_hidden_layers=36, hidden_size=1024, norm_position="post")
     """
 
-    supported_backbones = ("llama",)  # its attention extends Llama's (docs/MODA.md)
+    # the backbones whose attention it extends (docs/MODA.md, "Backbones"); Gemma 3, Phi-3 and OLMo 2 are refused
+    supported_backbones = ("llama", "mistral", "qwen2", "qwen3")
     model_type = "moda"
     option_prefix = "moda_"  # its options' names start so (a misspelt one is refused)
 
@@ -59,9 +62,16 @@ class MoDAConfig(DecoderConfigMixin):
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
-        """Llama's plan, plus the FFN-side depth K/V projection where the layers have one (``moda_ffn_kv``): it is
-        laid out head-major ([Hkv, 2, d]), so a column-wise shard holds whole heads, like k_proj / v_proj."""
-        plan = {**LlamaConfig.base_model_tp_plan, **({"layers.*.ffn_kv_proj": "colwise"} if self.moda_ffn_kv else {})}
+        """The backbone's plan (Llama's by default), plus the FFN-side depth K/V projection where the layers have one
+        (``moda_ffn_kv``): it is laid out head-major ([Hkv, 2, d]), so a column-wise shard holds whole heads, like
+        k_proj / v_proj; its k-norm (Qwen3) is planned as the attention's."""
+        backbone = vars(self).get("backbone_config")
+        backbone_class = LlamaConfig if backbone is None or isinstance(backbone, dict) else type(backbone)
+        plan = dict(backbone_class.base_model_tp_plan)
+        if self.moda_ffn_kv:
+            plan["layers.*.ffn_kv_proj"] = "colwise"
+            if "layers.*.self_attn.k_norm" in plan:
+                plan["layers.*.ffn_k_norm"] = plan["layers.*.self_attn.k_norm"]
         return {**plan, **vars(self).get("base_model_tp_plan", {})}
 
     @base_model_tp_plan.setter

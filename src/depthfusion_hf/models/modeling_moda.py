@@ -1,4 +1,5 @@
-"""MoDA: a Llama decoder whose attention also reads the same token's depth entries (arXiv 2603.15619).
+"""MoDA: a decoder (Llama, Mistral, Qwen2 or Qwen3) whose attention also reads the same token's depth entries
+(arXiv 2603.15619).
 
     layer l, token t:  o = softmax( [q K_seq^T | q K_depth(t)^T] / sqrt(d) ) [V_seq ; V_depth(t)]
     K_depth(t), V_depth(t) = entries written for token t by layers 0..l-1, in write order
@@ -12,29 +13,28 @@ so depth attention is position-free and the attention keys are reused as the KV 
 the tensors the layers wrote ([B, Hkv, T, d], never copied into a buffer), handed to each layer as positional
 arguments (so every checkpointing tracks them) and to ``moda_attention`` as a sequence, one call per layer. They
 are per token: a cached forward builds them for its own tokens, and the ``DynamicCache`` is all generation needs.
+
+The embeddings, MLPs, norms and the attention's projections (with their biases and Qwen3's per-head q/k norms) are
+the backbone's own modules under its names (``backbones.build_backbone``), so a checkpoint of the backbone converts by
+copying its state dict; the depth entries, the FFN-side K/V and the depth gate are the only code of ours.
 """
+
+import copy
 
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaForCausalLM,
-    LlamaMLP,
-    LlamaPreTrainedModel,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaPreTrainedModel, apply_rotary_pos_emb
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .backbones import adopt_layer, build_backbone, decoder_config, init_backbone_weights, layer_types
 from .configuration_moda import MoDAConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .moda_attention import moda_attention, resolve_backend
@@ -77,19 +77,30 @@ def straight_through_clamp(gate: torch.Tensor) -> torch.Tensor:
     return gate + (gate.clamp_min(0) - gate).detach()
 
 
-class MoDAAttention(LlamaAttention):
-    """Llama attention whose softmax also covers the token's own depth entries (same parameters as Llama; with
-    ``moda_depth_gate``, plus ``depth_gate`` [Hq] and the fixed buffer ``depth_gate_log_scale`` [Hq] on layers that
-    read depth entries: each head's depth scores are multiplied by ``max(depth_gate, 0) *
-    exp(depth_gate_log_scale)``; the log-scale is 0 unless ``llama_to_moda`` calibrated it). Returns ``(output
+# torch.nn.Module, not nn.Module: transformers' set_attn_implementation refuses a model whose source has a
+# "class ...Attention(nn.Module):" that does not use its attention interface (a source-text heuristic); here
+# "eager" / "sdpa" select only the mask format, which changing later is fine.
+class MoDAAttention(torch.nn.Module):
+    """The backbone's attention (Llama's, Mistral's, Qwen2's or Qwen3's: its q/k/v/o projections with their biases,
+    Qwen3's per-head ``q_norm`` / ``k_norm``, under their names) whose softmax also covers the token's own depth
+    entries. With ``moda_depth_gate``, plus ``depth_gate`` [Hq] and the fixed buffer ``depth_gate_log_scale`` [Hq] on
+    layers that read depth entries: each head's depth scores are multiplied by ``max(depth_gate, 0) *
+    exp(depth_gate_log_scale)``; the log-scale is 0 unless ``llama_to_moda`` calibrated it. Returns ``(output
     [B, T, D], weights or None, (key, value))``: the joint softmax [B, Hq, T, S + M] (with ``output_attentions``;
     with autograd) and this layer's post-RoPE K/V [B, Hkv, T, d], its depth entry."""
 
-    def __init__(self, config: MoDAConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        # Differs from Llama: the learned depth gate (not in the paper), where the layer reads depth entries.
+    def __init__(self, config: MoDAConfig, attention: nn.Module):
+        """``attention``: the backbone layer's own attention, whose modules this one takes."""
+        super().__init__()
+        self.config = config
+        self.layer_idx, self.head_dim, self.scaling = attention.layer_idx, attention.head_dim, attention.scaling
+        self.num_key_value_groups = attention.num_key_value_groups
+        self.is_causal = True
+        adopt_layer(self, attention)
+        self.normalises_heads = hasattr(attention, "k_norm")  # Qwen3: RMSNorm per head of q and k, before RoPE
+        # Differs from the backbone: the learned depth gate (not in the paper), where the layer reads depth entries.
         self.depth_gate = None
-        if config.moda_depth_gate and layer_idx > 0:
+        if config.moda_depth_gate and self.layer_idx > 0:
             self.depth_gate = nn.Parameter(torch.full((config.num_attention_heads,), config.moda_depth_gate_init))
             # a log, in fp32 arithmetic: calibrated scales reach 1e-11, below float16's range
             self.register_buffer("depth_gate_log_scale", torch.zeros(config.num_attention_heads))
@@ -119,8 +130,11 @@ class MoDAAttention(LlamaAttention):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hq, T, d)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, T, d)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, Hq, d)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)  # (B, T, Hkv, d)
+        if self.normalises_heads:
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)  # (B, H, T, d)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, T, d)
 
         cos, sin = position_embeddings
@@ -130,7 +144,8 @@ class MoDAAttention(LlamaAttention):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
-        # Differs from Llama: the token's own depth entries join the softmax.
+        # Differs from the backbone: the token's own depth entries join the softmax (a sliding window bounds the
+        # sequence keys only, through the mask; the depth entries are the query's own token's).
         attn_output = moda_attention(
             query_states, key_states, value_states, depth_keys, depth_values, attention_mask=attention_mask,
             scale=self.scaling, causal=True, backend=op_backend, return_weights=bool(kwargs.get("output_attentions")),
@@ -158,33 +173,39 @@ def rotate_depth_key(key: torch.Tensor, depth_rope: tuple[torch.Tensor, torch.Te
 
 
 class MoDADecoderLayer(GradientCheckpointingLayer):
-    """A Llama block with MoDA attention, an optional FFN-side depth K/V write, and pre- or post-norm:
-    ``"pre"`` (Llama) ``h = x + attn(input_layernorm(x)); y = h + mlp(post_attention_layernorm(h))``, ``"post"``
-    ``h = post_attention_layernorm(x + attn(x)); y = post_feedforward_layernorm(h + mlp(h))``; ``ffn_kv_proj``
-    projects the MLP's input. Returns ``(hidden_states [B, T, D], *new_keys, *new_values)``, flat: the entries the
-    layer writes, each [B, Hkv, T, d] (one or two keys, as many values; none for the last layer)."""
+    """A backbone block with MoDA attention, an optional FFN-side depth K/V write, and pre- or post-norm:
+    ``"pre"`` (the backbones') ``h = x + attn(input_layernorm(x)); y = h + mlp(post_attention_layernorm(h))``,
+    ``"post"`` ``h = post_attention_layernorm(x + attn(x)); y = post_feedforward_layernorm(h + mlp(h))``;
+    ``ffn_kv_proj`` projects the MLP's input. Returns ``(hidden_states [B, T, D], *new_keys, *new_values)``, flat: the
+    entries the layer writes, each [B, Hkv, T, d] (one or two keys, as many values; none for the last layer)."""
 
-    def __init__(self, config: MoDAConfig, layer_idx: int):
+    def __init__(self, config: MoDAConfig, layer: nn.Module):
+        """``layer``: the backbone's own decoder layer of this depth (``LlamaDecoderLayer``, ``Qwen3DecoderLayer``,
+        ...), whose attention, MLP and norms this block takes under their names."""
         super().__init__()
         self.hidden_size = config.hidden_size
         self.norm_position = config.norm_position
-        self.self_attn = MoDAAttention(config=config, layer_idx=layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = MoDAAttention(config, layer.self_attn)
+        layer_idx = self.self_attn.layer_idx
+        self.mlp = layer.mlp
         if config.norm_position == "pre":
-            self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.input_layernorm = layer.input_layernorm
+            self.post_attention_layernorm = layer.post_attention_layernorm
         else:
-            self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.post_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_attention_layernorm = layer.post_attention_layernorm
+            self.post_feedforward_layernorm = copy.deepcopy(layer.post_attention_layernorm)
         self.num_key_value_heads, self.head_dim = config.num_key_value_heads, self.self_attn.head_dim
         self.depth_window = depth_window(config, layer_idx)
         self.writes_depth = layer_idx < config.num_hidden_layers - 1
-        # Differs from Llama: the FFN-side depth K/V ("Extra FFN KV Proj."), laid out [Hkv, 2, d].
+        # Differs from the backbone: the FFN-side depth K/V ("Extra FFN KV Proj."), laid out [Hkv, 2, d], with a bias
+        # where the layer's k_proj has one (Qwen2; Llama with attention_bias) and, on Qwen3, a per-head k-norm of its
+        # own (a copy of the attention's): its keys are made as the layer's attention makes its keys (docs/MODA.md).
         self.writes_ffn_kv = config.moda_ffn_kv and self.writes_depth
         if self.writes_ffn_kv:
-            self.ffn_kv_proj = nn.Linear(
-                config.hidden_size, 2 * config.num_key_value_heads * self.head_dim, bias=config.attention_bias
-            )
+            self.ffn_kv_proj = nn.Linear(config.hidden_size, 2 * config.num_key_value_heads * self.head_dim,
+                                         bias=self.self_attn.k_proj.bias is not None)
+            if self.self_attn.normalises_heads:
+                self.ffn_k_norm = copy.deepcopy(self.self_attn.k_norm)
 
     def ffn_entry(self, ffn_input: torch.Tensor, depth_rope: tuple[torch.Tensor, torch.Tensor]):
         """The FFN-side depth K/V of ``ffn_input`` [B, T, D]: key (post-RoPE, at its token's position) and value,
@@ -194,6 +215,8 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         batch, tokens, _ = ffn_input.shape
         # -1, not num_key_value_heads: under tensor parallelism (colwise plan) this rank holds only its heads.
         key, value = self.ffn_kv_proj(ffn_input).view(batch, tokens, -1, 2, self.head_dim).unbind(dim=3)
+        if self.self_attn.normalises_heads:
+            key = self.ffn_k_norm(key)
         return rotate_depth_key(key.transpose(1, 2), depth_rope), value.contiguous().transpose(1, 2)
 
     @accepts_cache
@@ -241,9 +264,34 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
         return hidden_states, attn_key, ffn_key, attn_value, ffn_value
 
 
+MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def bottom_right_masks(model: nn.Module, per_layer: list[dict], inputs_embeds: torch.Tensor,
+                       position_ids: torch.LongTensor, cache: Cache | None) -> list:
+    """Each layer's attention mask (``per_layer``: :func:`backbones.layer_inputs`), written out where transformers
+    leaves it out for a prefill into an empty fixed-size cache (StaticCache): SDPA's top-left causal alignment over
+    all of the cache layer's keys. ``moda_attention`` aligns a missing mask bottom-right (the queries are the last T
+    of the S keys), so such a pass needs the mask of the layer's attention type (causal or sliding) written out."""
+    tokens = inputs_embeds.shape[1]
+    types = layer_types(model.config)
+    written: dict[str, torch.Tensor] = {}
+    masks = []
+    for index, inputs in enumerate(per_layer):
+        mask = inputs["attention_mask"]
+        if mask is None and cache is not None and tokens > 1 and cache.get_mask_sizes(tokens, index)[0] != tokens:
+            if types[index] not in written:
+                written[types[index]] = MASK_FUNCTIONS[types[index]](
+                    config=decoder_config(model.config), inputs_embeds=inputs_embeds, attention_mask=None,
+                    position_ids=position_ids, allow_is_causal_skip=False, **cache_kwarg(cache))
+            mask = written[types[index]]
+        masks.append(mask)
+    return masks
+
+
 class MoDAPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
-    """Weight initialisation and the transformers capabilities shared by MoDA models (Llama's, except that
-    depth entries join the softmax: only our own op runs the attention, so no flash / flex attention, and
+    """The backbone's weight initialisation and the transformers capabilities shared by MoDA models (Llama's, except
+    that depth entries join the softmax: only our own op runs the attention, so no flash / flex attention, and
     ``"eager"`` / ``"sdpa"`` select only the mask format, additive float or bool / None)."""
 
     config: MoDAConfig
@@ -260,7 +308,7 @@ class MoDAPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
         check_attn_implementation(self.config._attn_implementation)  # e.g. vLLM's, set before it builds the model
 
     def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
+        init_backbone_weights(self, module)
         if isinstance(module, MoDAAttention) and module.depth_gate is not None:
             # init.constant_ leaves a gate loaded from a checkpoint untouched.
             init.constant_(module.depth_gate, self.config.moda_depth_gate_init)
@@ -279,12 +327,14 @@ class MoDAModel(MoDAPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [MoDADecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        backbone = build_backbone(config)  # the backbone's own embeddings, decoder layers, final norm, rotary
+        if any(layer.gradient_checkpointing for layer in backbone.layers):
+            # its post_init consumed the legacy `config.gradient_checkpointing` for layers we replace: give it back
+            # to ours (transformers' post_init turns checkpointing on and deletes the flag)
+            config.gradient_checkpointing = True
+        self.embed_tokens = backbone.embed_tokens
+        self.layers = nn.ModuleList([MoDADecoderLayer(config, layer) for layer in backbone.layers])
+        self.norm, self.rotary_emb = backbone.norm, backbone.rotary_emb
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -313,28 +363,22 @@ class MoDAModel(MoDAPreTrainedModel):
         hidden_states, position_ids, cache, per_layer = prepare_decoder_inputs(
             self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
         )
-        # a Llama backbone (MoDAConfig.supported_backbones): one causal mask and one rotary embedding for all layers
-        causal_mask, position_embeddings = per_layer[0]["attention_mask"], per_layer[0]["position_embeddings"]
-        tokens = hidden_states.shape[1]
-        if causal_mask is None and cache is not None and tokens > 1 and cache.get_mask_sizes(tokens, 0)[0] != tokens:
-            # transformers leaves the mask out for a prefill into an empty fixed-size cache (StaticCache): SDPA's
-            # top-left causal alignment over all max_cache_len keys. moda_attention aligns a missing mask
-            # bottom-right (the queries are the last T of the S keys), so this pass needs the mask written out.
-            causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=None,
-                                             position_ids=position_ids, allow_is_causal_skip=False,
-                                             **cache_kwarg(cache))
+        masks = bottom_right_masks(self, per_layer, hidden_states, position_ids, cache)
         kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
-        # Differs from Llama: the op's backend (once per pass and device), the depth entries written so far.
+        # Differs from the backbone: the op's backend (once per pass and device), the depth entries written so far.
         backend_on = backend_per_device(resolve_backend, self.config.op_backend)
-        depth_rope = depth_rotary(*position_embeddings) if self.config.moda_ffn_kv else None
+        types = layer_types(self.config)
+        depth_ropes = {kind: depth_rotary(*per_layer[types.index(kind)]["position_embeddings"])
+                       for kind in set(types)} if self.config.moda_ffn_kv else {}
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        for index, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             start, stop = decoder_layer.depth_window
             hidden_states, *written = decoder_layer(
-                hidden_states, *keys[start:stop], *values[start:stop], attention_mask=causal_mask,
-                position_embeddings=position_embeddings, position_ids=position_ids, use_cache=use_cache,
-                op_backend=backend_on(hidden_states.device), depth_rope=depth_rope, **cache_kwarg(cache), **kwargs,
+                hidden_states, *keys[start:stop], *values[start:stop], attention_mask=masks[index],
+                position_embeddings=per_layer[index]["position_embeddings"], position_ids=position_ids,
+                use_cache=use_cache, op_backend=backend_on(hidden_states.device),
+                depth_rope=depth_ropes.get(types[index]), **cache_kwarg(cache), **kwargs,
             )
             keys += written[: len(written) // 2]
             values += written[len(written) // 2:]
@@ -367,7 +411,7 @@ class MoDAModel(MoDAPreTrainedModel):
 
 
 class MoDAForCausalLM(MoDAPreTrainedModel, LlamaForCausalLM):
-    """MoDA with a language-modelling head; works with ``generate()`` and the ordinary ``DynamicCache``.
+    """MoDA with a language-modelling head; works with ``generate()`` and the transformers cache.
 
     ``forward``, the embedding accessors and the tied-weight, tensor- and pipeline-parallel plans are
     ``LlamaForCausalLM``'s.
