@@ -162,8 +162,8 @@ def test_every_pair_loads_as_remote_code_with_identical_logits(tmp_path):
 def test_an_unsupported_backbone_is_named():
     with pytest.raises(ValueError, match=r"model_type must be one of \['llama', 'mistral'.*got 'gpt2'"):
         depthfusion_hf.DenseFormerConfig(backbone_config=GPT2Config(n_layer=2))
-    with pytest.raises(ValueError, match=r"model_type must be one of \['llama'\]; got 'qwen3'"):
-        depthfusion_hf.MoDAConfig(backbone_config=backbone_config("qwen3"))
+    with pytest.raises(ValueError, match=r"must be one of \['llama', 'mistral', 'qwen2', 'qwen3'\]; got 'gemma3_text'"):
+        depthfusion_hf.MoDAConfig(backbone_config=backbone_config("gemma3_text"))
     with pytest.raises(ValueError, match=r"model_type one of \['llama', 'mistral'.*GPT2LMHeadModel"):
         convert.load_source(AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
 

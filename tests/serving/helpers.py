@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast
+from transformers import CONFIG_MAPPING, GenerationConfig, PreTrainedTokenizerFast
 
 from depthfusion_hf import (
     AttnResConfig,
@@ -63,27 +63,34 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<unk>")
 
 
-def serving_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A float32 model of ``family`` at the serving shape, its family weights moved off their init."""
+def serving_model(family: str, seed: int = 0, backbone: str = "llama") -> torch.nn.Module:
+    """A float32 model of ``family`` at the serving shape on ``backbone`` (issue 30: heads of 32, Gemma 3 with a
+    sliding layer of window 4 before a full one), its family weights moved off their init."""
     torch.manual_seed(seed)
+    shape = dict(SERVING_DECODER)
+    if backbone != "llama":
+        extra = {"head_dim": 32}
+        if backbone == "gemma3_text":
+            extra |= {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"] * 2}
+        shape = {"backbone_config": CONFIG_MAPPING[backbone](**shape, **extra)}
     if family == "denseformer":
-        model = DenseFormerForCausalLM(DenseFormerConfig(**SERVING_DECODER, dwa_dilation=2))
+        model = DenseFormerForCausalLM(DenseFormerConfig(**shape, dwa_dilation=2))
         randomise_dwa(model, seed)
     elif family == "attnres":
-        model = AttnResForCausalLM(AttnResConfig(**SERVING_DECODER, attnres_block_size=2))
+        model = AttnResForCausalLM(AttnResConfig(**shape, attnres_block_size=2))
         randomise_attnres(model, seed)
     elif family == "mhc":
-        model = randomise_mhc(MHCForCausalLM(MHCConfig(**SERVING_DECODER, hc_mult=4)), seed)
+        model = randomise_mhc(MHCForCausalLM(MHCConfig(**shape, hc_mult=4)), seed)
     elif family == "moda":
-        model = MoDAForCausalLM(MoDAConfig(**SERVING_DECODER))
+        model = MoDAForCausalLM(MoDAConfig(**shape))
     else:
         raise ValueError(f"family must be one of denseformer, attnres, mhc, moda; got {family!r}")
     return model.eval()
 
 
-def export(family: str, folder: Path, seed: int = 0) -> tuple[torch.nn.Module, Path]:
+def export(family: str, folder: Path, seed: int = 0, backbone: str = "llama") -> tuple[torch.nn.Module, Path]:
     """The model of :func:`serving_model` and its remote-code folder (with the tokenizer) at ``folder``."""
-    model = serving_model(family, seed)
+    model = serving_model(family, seed, backbone)
     save_remote_code_folder(model, folder, tokenizer=build_tokenizer())
     return model, folder
 

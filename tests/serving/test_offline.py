@@ -36,6 +36,19 @@ def test_vllm_greedy_tokens_equal_hf_generate(exported, family, mode):
     assert vllm_greedy(folder, mode, PROMPTS) == want
 
 
+# Issue 30: a family on another backbone serves the same way (the backbone's own attention modules dispatch through
+# vLLM's attention; Gemma 3's sliding layer and softcapping, Qwen3's q/k norms, OLMo 2's post-norms).
+BACKBONE_PAIRS = [("attnres", "qwen3"), ("denseformer", "gemma3_text"), ("mhc", "olmo2")]
+
+
+@pytest.mark.parametrize("family,backbone", BACKBONE_PAIRS)
+def test_a_family_on_another_backbone_serves_with_hf_tokens(family, backbone, tmp_path):
+    model, folder = export(family, tmp_path / family, backbone=backbone)
+    want = [hf_greedy(model, prompt) for prompt in PROMPTS]
+    assert len({token for tokens in want for token in tokens}) >= 3, want
+    assert vllm_greedy(folder, "eager", PROMPTS) == want
+
+
 def test_moda_is_refused_with_the_reason(tmp_path):
     _, folder = export("moda", tmp_path / "moda")
     code = "import json, sys\nfrom vllm import LLM\nLLM(sys.argv[1], enforce_eager=True, **json.loads(sys.argv[2]))"

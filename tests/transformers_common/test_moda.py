@@ -6,7 +6,7 @@ from depthfusion_hf.models.configuration_moda import MoDAConfig
 from depthfusion_hf.models.modeling_moda import MoDAForCausalLM, MoDAModel
 
 from .generation_mixin import GenerationTesterMixin
-from .testers import CausalLMModelTest, DecoderModelTester
+from .testers import CausalLMModelTest, DecoderModelTester, Qwen3BackboneTester
 from .upstream import load
 
 modeling_common, configuration_common = load()
@@ -43,3 +43,11 @@ class MoDANoFFNKVModelTest(MoDAModelTest):
 
 class MoDAPostNormModelTest(MoDAModelTest):
     model_tester_class = MoDAPostNormModelTester
+
+
+class MoDAQwen3ModelTester(Qwen3BackboneTester, MoDAModelTester):
+    pass
+
+
+class MoDAQwen3ModelTest(MoDAModelTest):
+    model_tester_class = MoDAQwen3ModelTester

@@ -328,10 +328,6 @@ class MoDAModel(MoDAPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         backbone = build_backbone(config)  # the backbone's own embeddings, decoder layers, final norm, rotary
-        if any(layer.gradient_checkpointing for layer in backbone.layers):
-            # its post_init consumed the legacy `config.gradient_checkpointing` for layers we replace: give it back
-            # to ours (transformers' post_init turns checkpointing on and deletes the flag)
-            config.gradient_checkpointing = True
         self.embed_tokens = backbone.embed_tokens
         self.layers = nn.ModuleList([MoDADecoderLayer(config, layer) for layer in backbone.layers])
         self.norm, self.rotary_emb = backbone.norm, backbone.rotary_emb
