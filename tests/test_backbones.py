@@ -66,8 +66,10 @@ def source_model(backbone: str, seed: int = 0):
 
 
 def family_model(family: str, backbone: str, seed: int = 0):
+    """``family`` (MoDA too: tests/moda/test_moda_backbones.py has its own cases) on a tiny ``backbone``."""
     torch.manual_seed(seed)
-    config = FAMILY_CONFIGS[family](backbone_config=backbone_config(backbone), **FAMILY_OPTIONS[family])
+    config_class = FAMILY_CONFIGS.get(family, depthfusion_hf.MoDAConfig)
+    config = config_class(backbone_config=backbone_config(backbone), **FAMILY_OPTIONS.get(family, {}))
     return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -248,7 +250,7 @@ def test_gradient_checkpointing_and_lora_on_another_backbone(family, backbone):
     assert all(p.grad is not None for name, p in peft_model.named_parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("family", FAMILY_CONFIGS)
+@pytest.mark.parametrize("family", [*FAMILY_CONFIGS, "moda"])
 def test_resized_embeddings_save_and_load_on_another_backbone(family, tmp_path):
     """A top-level size set after construction (``resize_token_embeddings`` sets ``vocab_size``) is the backbone's
     too, so the model saves and loads with its new vocabulary."""
