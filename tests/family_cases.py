@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers import CONFIG_MAPPING, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from depthfusion_hf.families import causal_lm_families, get_family
+from depthfusion_hf.models.depthfusion_common import MIRRORED_FIELDS
 from tests.attnres import helpers as attnres
 from tests.denseformer import helpers as denseformer
 from tests.mhc import helpers as mhc
@@ -91,7 +92,7 @@ CASES: dict[str, FamilyCase] = {
         randomise=lambda model, seed: denseformer.randomise_dwa(model, seed),
         # 2x1: a DWA step after every second block; 1x1: after every block over all earlier outputs; 2x2: every
         # second block, every second output.
-        generation={"2x1": dict(dwa_dilation=2, dwa_period=1)},
+        generation={"2x1": dict(dwa_dilation=2, dwa_period=1), "qwen3": dict(backbone="qwen3")},
         compiled_decoding={"1x1": dict(num_hidden_layers=4),
                            "2x2": dict(num_hidden_layers=4, dwa_dilation=2, dwa_period=2)},
         remote_code={"2x2": dict(dwa_dilation=2, dwa_period=2)},
@@ -107,7 +108,8 @@ CASES: dict[str, FamilyCase] = {
         tiny_config=moda.tiny_config,
         tiny_llama_config=moda.tiny_llama_config,
         randomise=lambda model, seed: moda.sharpen_attention(model),
-        generation={"pre": dict(norm_position="pre"), "post": dict(norm_position="post")},
+        generation={"pre": dict(norm_position="pre"), "post": dict(norm_position="post"),
+                    "qwen3": dict(backbone="qwen3")},
         # FFN-side entries on and off (off: layer 1 reads one key and one value, a pair of entries that
         # torch.compile 2.13 mis-binds in an autograd.Function called under no_grad).
         compiled_decoding={"default": dict(num_hidden_layers=2),
@@ -130,7 +132,7 @@ CASES: dict[str, FamilyCase] = {
         tiny_llama_config=attnres.tiny_llama_config,
         randomise=lambda model, seed: attnres.randomise_attnres(model, seed),
         # full: every call over all earlier sub-layer outputs; block 3: blocks end mid-layer.
-        generation={"full": {}, "block3": dict(attnres_block_size=3)},
+        generation={"full": {}, "block3": dict(attnres_block_size=3), "gemma3": dict(backbone="gemma3_text")},
         compiled_decoding={"full": dict(num_hidden_layers=2), "block3": dict(num_hidden_layers=2,
                                                                              attnres_block_size=3)},
         remote_code={"full": {}, "block3": dict(attnres_block_size=3)},
@@ -152,7 +154,7 @@ CASES: dict[str, FamilyCase] = {
         tiny_config=mhc.tiny_config,  # n = 4 streams
         tiny_llama_config=mhc.tiny_llama_config,
         randomise=lambda model, seed: mhc.randomise_mhc(model, seed),
-        generation={"n1": dict(hc_mult=1), "n4": dict(hc_mult=4)},
+        generation={"n1": dict(hc_mult=1), "n4": dict(hc_mult=4), "olmo2": dict(backbone="olmo2")},
         compiled_decoding={"n4": dict(num_hidden_layers=2)},  # 20 Sinkhorn iterations unrolled in the graph
         remote_code={"n4": dict(hc_mult=4)},
         # every parameter sharded, the hyper-connections' odd-sized ones (scale [3], hc_scale [1]) too
@@ -172,11 +174,15 @@ CASES: dict[str, FamilyCase] = {
 }
 
 
-def tiny_model(family: str, seed: int = 0, **overrides) -> PreTrainedModel:
+def tiny_model(family: str, seed: int = 0, backbone: str | None = None, **overrides) -> PreTrainedModel:
     """The family's tiny model in eval mode: initialised under ``torch.manual_seed(seed)``, then its own parameters
-    moved off their init (seeded ``seed + 1``)."""
+    moved off their init (seeded ``seed + 1``). ``backbone`` (issue 30): built on that decoder at the same sizes."""
     torch.manual_seed(seed)
-    model = get_family(family).task_model_class(CASES[family].tiny_config(**overrides)).eval()
+    config = CASES[family].tiny_config(**overrides)
+    if backbone is not None:
+        sizes = {name: getattr(config, name) for name in MIRRORED_FIELDS if getattr(config, name) is not None}
+        config = CASES[family].tiny_config(**overrides, backbone_config=CONFIG_MAPPING[backbone](**sizes))
+    model = get_family(family).task_model_class(config).eval()
     CASES[family].randomise(model, seed + 1)
     return model
 
