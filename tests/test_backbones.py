@@ -127,13 +127,19 @@ def test_a_pair_trains_and_generates(family, backbone):
     loss.backward()
     own = [p for name, p in model.named_parameters() if name.split(".")[-1] in ("alphas", "query", "fn")]
     assert torch.isfinite(loss) and own and all(p.grad is not None and p.grad.abs().sum() > 0 for p in own)
-    model.eval()
+    assert_cached_greedy_equals_uncached(model.eval())
+
+
+def assert_cached_greedy_equals_uncached(model) -> torch.Tensor:
+    """Greedy ``generate`` of 8 tokens for a left-padded batch of two prompts gives the same ids with and without the
+    KV cache; returns them, [2, 12]."""
     prompt = torch.tensor([[5, 6, 7, 8], [0, 9, 10, 11]])
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
     cached = model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     uncached = model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
                               use_cache=False)
     assert torch.equal(cached, uncached)
+    return cached
 
 
 def test_every_pair_loads_as_remote_code_with_identical_logits(tmp_path):

@@ -65,6 +65,8 @@ BACKBONES = tuple(BACKBONE_LAYER_SHAPES)
 BACKBONE_LAYER_NAMES = ["LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                         "Phi3DecoderLayer", "Gemma3DecoderLayer", "Olmo2DecoderLayer"]
 DEFAULT_BACKBONE = "llama"
+# transformers' mask builder of each attention type in ``layer_types``.
+MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
 def as_backbone_config(value: PreTrainedConfig | dict | None, allowed: tuple[str, ...] = BACKBONES):
@@ -102,8 +104,7 @@ def backbone_type(config: PreTrainedConfig) -> str:
 
 def backbone_model_class(config: PreTrainedConfig) -> type:
     """The backbone's base model class (``LlamaModel``, ``Qwen3Model``, ``Gemma3TextModel``, ...)."""
-    decoder = decoder_config(config)
-    return MODEL_MAPPING[CONFIG_MAPPING[backbone_type(config)]] if decoder is config else MODEL_MAPPING[type(decoder)]
+    return MODEL_MAPPING[CONFIG_MAPPING[backbone_type(config)]]
 
 
 def build_backbone(config: PreTrainedConfig) -> nn.Module:
@@ -150,11 +151,10 @@ def layer_inputs(model: nn.Module, inputs_embeds: torch.Tensor, attention_mask: 
     types = layer_types(model.config)
     mask_kwargs = dict(config=decoder, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                        position_ids=position_ids, **cache_kwarg(cache))
-    mask_functions = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
     if isinstance(attention_mask, dict):  # generate() made them already, one per attention type (a static cache)
         masks = attention_mask
     else:
-        masks = {kind: mask_functions[kind](**mask_kwargs) for kind in set(types)}
+        masks = {kind: MASK_FUNCTIONS[kind](**mask_kwargs) for kind in set(types)}
     if hasattr(model.rotary_emb, "layer_types"):  # Gemma 3: one rotary embedding per attention type
         rotary = {kind: model.rotary_emb(inputs_embeds, position_ids, kind) for kind in set(types)}
     else:
@@ -202,6 +202,6 @@ def add_logit_softcapping(lm_head: nn.Module, config: PreTrainedConfig) -> None:
         lm_head.register_forward_hook(lambda module, args, logits: torch.tanh(logits / cap) * cap)
 
 
-__all__ = ["BACKBONES", "LAYER_SHAPES", "adopt_layer", "as_backbone_config", "attention_branch", "backbone_type",
-           "branch_shape", "build_backbone", "decoder_config", "init_backbone_weights", "layer_inputs", "layer_types",
-           "mlp_branch"]
+__all__ = ["BACKBONES", "LAYER_SHAPES", "MASK_FUNCTIONS", "adopt_layer", "as_backbone_config", "attention_branch",
+           "backbone_type", "branch_shape", "build_backbone", "decoder_config", "init_backbone_weights", "layer_inputs",
+           "layer_types", "mlp_branch"]

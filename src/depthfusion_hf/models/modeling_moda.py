@@ -25,7 +25,6 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaPreTrainedModel, apply_rotary_pos_emb
@@ -34,7 +33,14 @@ from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .backbones import adopt_layer, build_backbone, decoder_config, init_backbone_weights, layer_types
+from .backbones import (
+    MASK_FUNCTIONS,
+    adopt_layer,
+    build_backbone,
+    decoder_config,
+    init_backbone_weights,
+    layer_types,
+)
 from .configuration_moda import MoDAConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .moda_attention import moda_attention, resolve_backend
@@ -262,9 +268,6 @@ class MoDADecoderLayer(GradientCheckpointingLayer):
             return (hidden_states, attn_key, attn_value) if self.writes_depth else (hidden_states,)
         ffn_key, ffn_value = self.ffn_entry(ffn_input, depth_rope or depth_rotary(*position_embeddings))
         return hidden_states, attn_key, ffn_key, attn_value, ffn_value
-
-
-MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
 def bottom_right_masks(model: nn.Module, per_layer: list[dict], inputs_embeds: torch.Tensor,
