@@ -367,8 +367,8 @@ def main(argv: list[str] | None = None) -> dict:
         if base_resume is not None:
             check_baseline_checkpoint(base_resume, baseline)
             base_record = resume_run(base_resume, run_record)
-        runs.append(train_one(f"{BASELINE} (baseline)", baseline, train, val, out / BASELINE, settings, tokenizer,
-                              base_resume, overwrite=args.overwrite, run_record=base_record))
+        runs.append(train_one(f"{run_name(baseline.config)} (baseline)", baseline, train, val, out / BASELINE, settings,
+                              tokenizer, base_resume, overwrite=args.overwrite, run_record=base_record))
 
     table = results_table(runs)
     print("\n" + table + "\n")

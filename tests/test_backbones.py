@@ -120,26 +120,34 @@ def test_upcycling_keeps_the_source(family, backbone):
 
 
 @pytest.mark.parametrize("family,backbone", PAIRS)
-def test_a_pair_trains_and_generates(family, backbone):
+def test_a_pair_trains_and_generates_with_every_strategy(family, backbone):
     model = family_model(family, backbone).train()
     input_ids = torch.randint(3, 101, (2, 9))
     loss = model(input_ids, labels=input_ids).loss
     loss.backward()
     own = [p for name, p in model.named_parameters() if name.split(".")[-1] in ("alphas", "query", "fn")]
     assert torch.isfinite(loss) and own and all(p.grad is not None and p.grad.abs().sum() > 0 for p in own)
-    assert_cached_greedy_equals_uncached(model.eval())
+    assert_cached_generation_equals_uncached(model.eval())
 
 
-def assert_cached_greedy_equals_uncached(model) -> torch.Tensor:
-    """Greedy ``generate`` of 8 tokens for a left-padded batch of two prompts gives the same ids with and without the
-    KV cache; returns them, [2, 12]."""
+# generate()'s strategies, each run with and without the KV cache (sampling from the same seed).
+STRATEGIES = {"greedy": dict(do_sample=False), "beam search": dict(do_sample=False, num_beams=2),
+              "sampling": dict(do_sample=True, top_k=20)}
+
+
+def assert_cached_generation_equals_uncached(model) -> torch.Tensor:
+    """Greedy, beam search and sampling ``generate`` 8 tokens for a left-padded batch of two prompts, each giving the
+    same ids with and without the KV cache; returns the greedy ids, [2, 12]."""
     prompt = torch.tensor([[5, 6, 7, 8], [0, 9, 10, 11]])
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
-    cached = model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    uncached = model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                              use_cache=False)
-    assert torch.equal(cached, uncached)
-    return cached
+    found = {}
+    for name, options in STRATEGIES.items():
+        for use_cache in (True, False):
+            torch.manual_seed(0)
+            found[name, use_cache] = model.generate(prompt, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
+                                                    use_cache=use_cache, **options)
+        assert torch.equal(found[name, True], found[name, False]), name
+    return found["greedy", True]
 
 
 def test_every_pair_loads_as_remote_code_with_identical_logits(tmp_path):
@@ -199,6 +207,20 @@ def test_checkpoints_saved_before_backbones_load_unchanged(family):
     with torch.no_grad():
         logits = model(torch.tensor(expected["input_ids"])).logits
     assert torch.equal(logits, torch.tensor(expected["logits"]))
+
+
+@pytest.mark.parametrize("family", sorted(p.name for p in LEGACY.iterdir() if p.is_dir()))
+def test_a_seeded_model_is_initialised_as_before_backbones(family):
+    """``torch.manual_seed(0)`` then ``from_config`` gives the weights the code before backbones gave (the first 4
+    values of every tensor, ``seeded_init.json``): the backbone's modules are initialised once, in the family's
+    module order, so mHC's hyper-connections and MoDA's FFN K/V draw where they did."""
+    expected = json.loads((LEGACY / family / "seeded_init.json").read_text())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(LEGACY / family))
+    weights = {name: tensor.flatten()[:4] for name, tensor in model.state_dict().items()}
+    assert weights.keys() == expected.keys()
+    for name, values in expected.items():
+        assert torch.equal(weights[name], torch.tensor(values, dtype=weights[name].dtype)), name
 
 
 NON_LLAMA = ("qwen3", "gemma3_text")  # q/k norms; sandwich norms, sliding + full layers, softcapping

@@ -16,7 +16,7 @@ from depthfusion_hf.convert import llama_to_moda
 from depthfusion_hf.models.modeling_moda import depth_rotary, rotate_depth_key
 from depthfusion_hf.remote_code import save_remote_code_folder
 from tests.fresh_process import run_fresh
-from tests.test_backbones import SIZES, assert_cached_greedy_equals_uncached, backbone_config, source_model
+from tests.test_backbones import SIZES, assert_cached_generation_equals_uncached, backbone_config, source_model
 
 MODA_BACKBONES = ("llama", "mistral", "qwen2", "qwen3")
 REFUSED = ("gemma3_text", "phi3", "olmo2")
@@ -61,7 +61,7 @@ def test_a_backbone_trains_a_step_and_generates_as_without_cache(backbone):
     assert torch.isfinite(loss)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in own.values()), \
         [name for name, p in own.items() if p.grad is None or p.grad.abs().sum() == 0]
-    assert assert_cached_greedy_equals_uncached(model.eval()).shape[1] == 12
+    assert assert_cached_generation_equals_uncached(model.eval()).shape[1] == 12
 
 
 @pytest.mark.parametrize("backbone", ("mistral", "qwen3"))

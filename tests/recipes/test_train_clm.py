@@ -189,6 +189,26 @@ def test_upcycling_another_backbone_trains_the_family_and_the_source_side_by_sid
     assert [AutoModelForCausalLM.from_pretrained(path / "final").config.model_type for path in baseline] == ["qwen3"]
 
 
+def test_a_config_with_a_backbone_trains_the_family_and_that_backbone_side_by_side(tmp_path):
+    """--config with a ``backbone_config`` (issue 30): the family is built on that decoder, and the same-seed baseline
+    is the backbone's own causal LM at the same sizes (before, a default-size Llama of 6.7B parameters)."""
+    sizes = {k: v for k, v in json.loads((REPO / "configs" / "clm_tiny.json").read_text()).items() if k[0] != "_"}
+    config = tmp_path / "tiny_gemma3.json"
+    config.write_text(json.dumps({"backbone_config": {"model_type": "gemma3_text", "head_dim": 16, **sizes}}))
+    out = tmp_path / "run"
+    proc = train_clm(TINY + ["--config", str(config), "--model", "mhc", "--max_steps", "1", "--eval_steps", "0",
+                             "--output_dir", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    family = AutoModelForCausalLM.from_pretrained(out / "mhc" / "final")
+    baseline = AutoModelForCausalLM.from_pretrained(out / "llama" / "final")
+    assert family.config.backbone_config.model_type == baseline.config.model_type == "gemma3_text"
+    shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "layer_types", "sliding_window", "tie_word_embeddings")
+    for field in shape:
+        assert getattr(family.config.backbone_config, field) == getattr(baseline.config, field), field
+    assert "| gemma3_text (baseline) |" in proc.stdout
+
+
 def test_upcycling_trains_with_the_llamas_own_tokenizer_and_keeps_what_it_holds(tmp_path):
     """Before, ``--init_from`` trained a fresh BPE (the pretrained embeddings then read scrambled ids)."""
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"

@@ -17,18 +17,19 @@ def corpus_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def single_process_run(tmp_path_factory, corpus_file):
-    """``family -> (results, output folder)`` of the one-process run on the global batch (computed once per family).
+    """``(family, backbone="llama") -> (results, output folder)`` of the one-process run on the global batch (computed
+    once per pair).
 
     The reference the 2-rank DDP and FSDP runs of ``tests/training/launch.py`` are compared with.
     """
     from .launch import single_process
 
-    runs: dict[str, tuple[dict, object]] = {}
+    runs: dict[tuple[str, str], tuple[dict, object]] = {}
 
-    def run(family: str):
-        if family not in runs:
-            out = tmp_path_factory.mktemp(f"single_{family}")
-            runs[family] = (single_process(corpus_file, family, out), out)
-        return runs[family]
+    def run(family: str, backbone: str = "llama"):
+        if (family, backbone) not in runs:
+            out = tmp_path_factory.mktemp(f"single_{family}_{backbone}")
+            runs[family, backbone] = (single_process(corpus_file, family, out, backbone=backbone), out)
+        return runs[family, backbone]
 
     return run

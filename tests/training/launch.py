@@ -52,11 +52,26 @@ def launcher_command(launcher: str, accelerate_config: str = "cpu_ddp.yaml") -> 
     return [str(BIN / "accelerate"), "launch", "--config_file", str(config), "--main_process_port", port]
 
 
+def tiny_config(backbone: str, folder: Path) -> Path:
+    """``configs/clm_tiny.json`` (a Llama), or a config file in ``folder`` that puts its sizes into a
+    ``backbone_config`` of the decoder ``backbone`` (issue 30: the families on Qwen3, Gemma 3, OLMo 2, ...)."""
+    tiny = REPO / "configs" / "clm_tiny.json"
+    if backbone == "llama":
+        return tiny
+    sizes = {key: value for key, value in json.loads(tiny.read_text()).items() if not key.startswith("_")}
+    head_dim = sizes["hidden_size"] // sizes["num_attention_heads"]
+    path = folder / f"clm_tiny_{backbone}.json"
+    path.write_text(json.dumps({"backbone_config": {"model_type": backbone, "head_dim": head_dim, **sizes},
+                                "tie_word_embeddings": sizes["tie_word_embeddings"]}))
+    return path
+
+
 def train_args(corpus_file: Path, family: str, output_dir: Path, batch_size: int, steps: int = STEPS,
-               save_steps: int = 0) -> list[str]:
-    """``train_clm.py`` arguments of the comparison: tiny model, ``steps`` steps, the loss logged every step."""
+               save_steps: int = 0, backbone: str = "llama") -> list[str]:
+    """``train_clm.py`` arguments of the comparison: tiny model on ``backbone``, ``steps`` steps, the loss logged every
+    step."""
     return [
-        "--model", family, "--config", str(REPO / "configs" / "clm_tiny.json"), "--max_steps", str(steps),
+        "--model", family, "--config", str(tiny_config(backbone, output_dir.parent)), "--max_steps", str(steps),
         "--learning_rate", str(LEARNING_RATE), "--save_steps", str(save_steps), "--logging_steps", "1",
         "--eval_steps", "0", "--batch_size", str(batch_size), "--block_size", str(TOKENS_PER_BLOCK),
         "--max_train_blocks", "32", "--max_eval_blocks", "2", "--vocab_size", "300", "--no_baseline",
@@ -72,9 +87,11 @@ def launch(command: list[str], worker: str, args: list[str], record: Path, timeo
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
-def single_process(corpus_file: Path, family: str, output_dir: Path, steps: int = STEPS) -> dict:
+def single_process(corpus_file: Path, family: str, output_dir: Path, steps: int = STEPS,
+                   backbone: str = "llama") -> dict:
     """The reference: one process, batch ``RANKS * PER_RANK_BATCH`` (the global batch), otherwise the same run."""
-    return train_clm.main(train_args(corpus_file, family, output_dir, RANKS * PER_RANK_BATCH, steps))
+    return train_clm.main(train_args(corpus_file, family, output_dir, RANKS * PER_RANK_BATCH, steps,
+                                     backbone=backbone))
 
 
 def saved_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -113,7 +130,11 @@ class Tolerance:
       rounding noise is as large as the signal (float64: 3.5e-19, float32: 1e-10, measured), and AdamW, which
       scales each entry to a step of at most ``lr`` (β1 = 0.9, β2 = 0.95: ``1 − β1 ≤ sqrt(1 − β2)``), moves them by
       noise-determined amounts (measured: 1.1e-5). Adam's step bound is the only sound one; the step losses and
-      gradient norms above, which include these parameters, are held to ``loss_rtol``.
+      gradient norms above, which include these parameters, are held to ``loss_rtol``. The same holds for the
+      last DWA weight of a DenseFormer whose last block ends with a DWA step, ``alpha[d, d]`` (the last entry of
+      ``dwa.alphas``): the final RMSNorm is invariant to scaling its input ``Y_d``, so at the identity init (``Y_d =
+      X_d``) its gradient is zero but for the norm's eps and rounding (measured: 2.5e-4 apart after 4 steps on a
+      Gemma 3 backbone, within ``weight_atol`` on Llama); the DWA's other weights are held to ``weight_atol``.
 
     A run whose ranks trained on the wrong blocks is far outside: one process on a single rank's half of each
     batch differs from the 2-rank run by 8e-4 to 1e-2 relative in the step losses (measured), 100 to 1000 times
@@ -151,6 +172,10 @@ def assert_matches_single_process(results: dict, weights: dict[str, torch.Tensor
     assert results["runs"][0]["parameters"] == reference["runs"][0]["parameters"]
     assert set(reference_weights) <= set(weights)
     for name, expected in reference_weights.items():
+        got = weights[name]
+        if name.endswith("dwa.alphas"):  # alpha[d, d] is noise-determined (see Tolerance)
+            torch.testing.assert_close(got[-1:], expected[-1:], rtol=0, atol=REDUCTION.noise_atol)
+            got, expected = got[:-1], expected[:-1]
         atol = REDUCTION.noise_atol if "_hc." in name else REDUCTION.weight_atol
-        torch.testing.assert_close(weights[name], expected, rtol=REDUCTION.weight_rtol, atol=atol,
+        torch.testing.assert_close(got, expected, rtol=REDUCTION.weight_rtol, atol=atol,
                                    msg=lambda m, name=name: f"{name}: {m}")

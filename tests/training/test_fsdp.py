@@ -42,19 +42,27 @@ from .launch import (
 SAVE_AT = 2
 
 
-def fsdp_train(corpus_file: Path, family: str, root: Path, resume: bool = False) -> Path:
-    """Launch the FSDP worker for ``family`` into ``root/out`` (records in ``root/record``); returns ``root``."""
-    args = train_args(corpus_file, family, root / "out", PER_RANK_BATCH, save_steps=SAVE_AT)
+# Every family on Llama, and on one other backbone each (issue 30).
+LLAMA_RUNS = [(family, "llama") for family in causal_lm_families()]
+OTHER_BACKBONE_RUNS = [("denseformer", "gemma3_text"), ("attnres", "phi3"), ("mhc", "olmo2"), ("moda", "qwen3")]
+
+
+def fsdp_train(corpus_file: Path, family: str, root: Path, resume: bool = False, backbone: str = "llama") -> Path:
+    """Launch the FSDP worker for ``family`` on ``backbone`` into ``root/out`` (records in ``root/record``); returns
+    ``root``."""
+    args = train_args(corpus_file, family, root / "out", PER_RANK_BATCH, save_steps=SAVE_AT, backbone=backbone)
     args += ["--ddp_backend", "gloo"] + (["--resume_from_checkpoint", "latest"] if resume else [])
     launch(launcher_command("accelerate", "fsdp_cpu.yaml"), "fsdp_worker.py", args, root / "record")
     return root
 
 
-@pytest.fixture(scope="module", params=causal_lm_families())
+@pytest.fixture(scope="module")
 def fsdp_run(request, tmp_path_factory, corpus_file):
-    """``(family, root)`` of one uninterrupted FSDP run per family: 4 steps, sharded checkpoints at 2 and 4."""
-    family = request.param
-    return family, fsdp_train(corpus_file, family, tmp_path_factory.mktemp(f"fsdp_{family}"))
+    """``(family, backbone, root)`` of one uninterrupted FSDP run per ``(family, backbone)`` parameter: 4 steps,
+    sharded checkpoints at 2 and 4."""
+    family, backbone = request.param
+    root = tmp_path_factory.mktemp(f"fsdp_{family}_{backbone}")
+    return family, backbone, fsdp_train(corpus_file, family, root, backbone=backbone)
 
 
 def _chunk_rows(rows: int, rank: int) -> int:
@@ -68,8 +76,11 @@ def rank_reports(root: Path) -> list[dict]:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("fsdp_run", LLAMA_RUNS + OTHER_BACKBONE_RUNS, indirect=True, ids="-".join)
 def test_fsdp_shards_the_model_and_trains_like_one_process(fsdp_run, single_process_run):
-    family, root = fsdp_run
+    family, backbone, root = fsdp_run
+    assert json.loads((root / "out" / family / "final" / "config.json").read_text()).get(
+        "backbone_config", {}).get("model_type", "llama") == backbone
     reports = rank_reports(root)
     assert [r["world_size"] for r in reports] == [RANKS] * RANKS
     # accelerate wrapped each decoder layer (the model's _no_split_modules) and the root as FSDP units ...
@@ -89,7 +100,7 @@ def test_fsdp_shards_the_model_and_trains_like_one_process(fsdp_run, single_proc
     final = torch.load(root / "record" / "rank0_final.pt")  # gathered on rank 0
     for name in init[0]:
         assert not torch.equal(final[name], init[0][name]), f"{name} did not train"
-    reference, reference_out = single_process_run(family)
+    reference, reference_out = single_process_run(family, backbone)
     assert_matches_single_process(read_results(root / "out"), final, reference,
                                   saved_weights(reference_out / family / "final"))
 
@@ -103,8 +114,9 @@ def test_fsdp_shards_the_model_and_trains_like_one_process(fsdp_run, single_proc
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("fsdp_run", LLAMA_RUNS + OTHER_BACKBONE_RUNS, indirect=True, ids="-".join)
 def test_fsdp_export_is_complete_and_gives_the_trained_logits(fsdp_run):
-    family, root = fsdp_run
+    family, _, root = fsdp_run
     final = torch.load(root / "record" / "rank0_final.pt")
     folder = root / "out" / family / "final"
     exported = saved_weights(folder)
@@ -139,8 +151,9 @@ def mark_checkpoint(folder: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("fsdp_run", LLAMA_RUNS, indirect=True, ids="-".join)
 def test_fsdp_resumes_from_a_sharded_checkpoint_on_the_same_curve(fsdp_run, tmp_path, corpus_file):
-    family, root = fsdp_run
+    family, _, root = fsdp_run
     checkpoint = tmp_path / "out" / family / f"checkpoint-{SAVE_AT}"
     shutil.copytree(root / "out" / family / f"checkpoint-{SAVE_AT}", checkpoint)  # a job killed after step 2
     mark_checkpoint(checkpoint)

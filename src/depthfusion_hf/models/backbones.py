@@ -15,6 +15,7 @@ state dict. The depth mechanism is the only code of ours:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -114,10 +115,18 @@ def build_backbone(config: PreTrainedConfig) -> nn.Module:
     to checkpoint."""
     decoder = decoder_config(config)
     legacy_checkpointing = getattr(decoder, "gradient_checkpointing", None)
-    backbone = backbone_model_class(config)(decoder)
+    backbone = uninitialised_class(backbone_model_class(config))(decoder)
     if legacy_checkpointing is not None:
         decoder.gradient_checkpointing = legacy_checkpointing
     return backbone
+
+
+@functools.cache
+def uninitialised_class(model_class: type) -> type:
+    """``model_class`` whose ``post_init`` leaves the weights as constructed: the family model's own ``post_init``
+    initialises every weight once, in the family's module order (a seeded family model is the one built before
+    backbones existed)."""
+    return type(model_class.__name__, (model_class,), {"init_weights": lambda self: None})
 
 
 def init_backbone_weights(model: nn.Module, module: nn.Module) -> None:

@@ -18,22 +18,15 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaPreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attnres import attnres_core, resolve_backend
-from .backbones import (
-    add_logit_softcapping,
-    adopt_layer,
-    attention_branch,
-    branch_shape,
-    build_backbone,
-    init_backbone_weights,
-    mlp_branch,
-)
+from .backbones import adopt_layer, attention_branch, branch_shape, init_backbone_weights, mlp_branch
+from .causal_lm import DepthFusionForCausalLM, adopt_backbone
 from .configuration_attnres import AttnResConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .transformers_compat import accepts_cache, cache_kwarg
@@ -153,13 +146,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        backbone = build_backbone(config)  # the backbone's own embeddings, decoder layers, final norm, rotary
-        self.embed_tokens = backbone.embed_tokens
-        self.layers = nn.ModuleList([AttnResDecoderLayer(config, i, layer) for i, layer in enumerate(backbone.layers)])
-        self.norm, self.rotary_emb = backbone.norm, backbone.rotary_emb
-        self.gradient_checkpointing = False
+        adopt_backbone(self, config, lambda index, layer: AttnResDecoderLayer(config, index, layer))
         self.post_init()
 
     @accepts_cache
@@ -226,8 +213,9 @@ class AttnResModel(AttnResPreTrainedModel):
         return (weights * mask[:, :, None, None]).sum((0, 1)) / mask.sum()
 
 
-class AttnResForCausalLM(AttnResPreTrainedModel, LlamaForCausalLM):
-    """``LlamaForCausalLM`` (forward, generation, tied weights, parallelism plans) over an :class:`AttnResModel`.
+class AttnResForCausalLM(AttnResPreTrainedModel, DepthFusionForCausalLM):
+    """AttnRes with a language-modelling head (``DepthFusionForCausalLM``: ``LlamaForCausalLM``'s forward,
+    generation and plans).
 
     Example:
         >>> from depthfusion_hf import AttnResConfig, AttnResForCausalLM
@@ -237,14 +225,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, LlamaForCausalLM):
         torch.Size([9, 5])
     """
 
-    def __init__(self, config: AttnResConfig):
-        # Past LlamaForCausalLM.__init__ (which builds a LlamaModel); AttnResPreTrainedModel checks the config.
-        super(LlamaForCausalLM, self).__init__(config)
-        self.model = AttnResModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        add_logit_softcapping(self.lm_head, config)
-        self.post_init()
+    base_model_class = AttnResModel
 
     def depth_attention_weights(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, per_token: bool = False

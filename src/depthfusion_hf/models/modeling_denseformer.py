@@ -22,13 +22,14 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaPreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .backbones import BACKBONE_LAYER_NAMES, add_logit_softcapping, build_backbone, init_backbone_weights
+from .backbones import BACKBONE_LAYER_NAMES, init_backbone_weights
+from .causal_lm import DepthFusionForCausalLM, adopt_backbone
 from .configuration_denseformer import DenseFormerConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .dwa import dwa_core, resolve_backend
@@ -118,14 +119,9 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
 
     def __init__(self, config: DenseFormerConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        backbone = build_backbone(config)  # the backbone's own embeddings, decoder layers, final norm, rotary
-        self.embed_tokens, self.layers = backbone.embed_tokens, backbone.layers
         # Differs from the backbone: the Depth-Weighted Average weights.
-        self.dwa = DenseFormerDWA(config.num_hidden_layers, config.dwa_dilation, config.dwa_period)
-        self.norm, self.rotary_emb = backbone.norm, backbone.rotary_emb
-        self.gradient_checkpointing = False
+        adopt_backbone(self, config, dwa=DenseFormerDWA(config.num_hidden_layers, config.dwa_dilation,
+                                                        config.dwa_period))
         self.post_init()
 
     def dwa_weights(self) -> torch.Tensor:
@@ -185,11 +181,9 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwarg(cache))
 
 
-class DenseFormerForCausalLM(DenseFormerPreTrainedModel, LlamaForCausalLM):
-    """DenseFormer with a language-modelling head; works with ``generate()`` and the transformers cache.
-
-    ``forward``, the embedding accessors and the tied-weight, tensor- and pipeline-parallel plans are
-    ``LlamaForCausalLM``'s.
+class DenseFormerForCausalLM(DenseFormerPreTrainedModel, DepthFusionForCausalLM):
+    """DenseFormer with a language-modelling head (``DepthFusionForCausalLM``: ``LlamaForCausalLM``'s forward,
+    generation and plans).
 
     Example:
         >>> from depthfusion_hf import DenseFormerConfig, DenseFormerForCausalLM
@@ -199,13 +193,7 @@ class DenseFormerForCausalLM(DenseFormerPreTrainedModel, LlamaForCausalLM):
         torch.Size([4, 5])
     """
 
-    def __init__(self, config: DenseFormerConfig):
-        super(LlamaForCausalLM, self).__init__(config)  # past LlamaForCausalLM.__init__, which builds a LlamaModel
-        self.model = DenseFormerModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        add_logit_softcapping(self.lm_head, config)
-        self.post_init()
+    base_model_class = DenseFormerModel
 
     def dwa_weights(self) -> torch.Tensor:
         """The learned DWA weights as a dense [d, d + 1] matrix (0 where not connected)."""

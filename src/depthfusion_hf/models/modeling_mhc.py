@@ -18,21 +18,14 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaPreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .backbones import (
-    add_logit_softcapping,
-    adopt_layer,
-    attention_branch,
-    branch_shape,
-    build_backbone,
-    init_backbone_weights,
-    mlp_branch,
-)
+from .backbones import adopt_layer, attention_branch, branch_shape, init_backbone_weights, mlp_branch
+from .causal_lm import DepthFusionForCausalLM, adopt_backbone
 from .configuration_mhc import MHCConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .mhc_connection import (
@@ -194,14 +187,9 @@ class MHCModel(MHCPreTrainedModel):
 
     def __init__(self, config: MHCConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        backbone = build_backbone(config)  # the backbone's own embeddings, decoder layers, final norm, rotary
-        self.embed_tokens = backbone.embed_tokens
-        self.layers = nn.ModuleList([MHCDecoderLayer(config, i, layer) for i, layer in enumerate(backbone.layers)])
-        self.hc_head = MHCHyperHead(config)  # differs from the backbone: the streams' final collapse
-        self.norm, self.rotary_emb = backbone.norm, backbone.rotary_emb
-        self.gradient_checkpointing = False
+        # Differs from the backbone: hyper-connections around each sub-layer, the streams' final collapse.
+        adopt_backbone(self, config, lambda index, layer: MHCDecoderLayer(config, index, layer),
+                       hc_head=MHCHyperHead(config))
         self.post_init()
 
     @accepts_cache
@@ -290,11 +278,9 @@ class MHCModel(MHCPreTrainedModel):
         }
 
 
-class MHCForCausalLM(MHCPreTrainedModel, LlamaForCausalLM):
-    """mHC with a language-modelling head; works with ``generate()`` and the transformers cache.
-
-    ``forward``, the embedding accessors and the tied-weight, tensor- and pipeline-parallel plans are
-    ``LlamaForCausalLM``'s.
+class MHCForCausalLM(MHCPreTrainedModel, DepthFusionForCausalLM):
+    """mHC with a language-modelling head (``DepthFusionForCausalLM``: ``LlamaForCausalLM``'s forward, generation and
+    plans).
 
     Example:
         >>> from depthfusion_hf import MHCConfig, MHCForCausalLM
@@ -304,15 +290,7 @@ class MHCForCausalLM(MHCPreTrainedModel, LlamaForCausalLM):
         torch.Size([2, 2, 4, 4])
     """
 
-    def __init__(self, config: MHCConfig):
-        # Past LlamaForCausalLM.__init__ (which builds a LlamaModel) to the pretrained-model base; the config is
-        # checked by MHCModel's (MHCPreTrainedModel's) __init__.
-        super(LlamaForCausalLM, self).__init__(config)
-        self.model = MHCModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        add_logit_softcapping(self.lm_head, config)
-        self.post_init()
+    base_model_class = MHCModel
 
     def hyper_connection_weights(self, input_ids: torch.LongTensor,
                                  attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

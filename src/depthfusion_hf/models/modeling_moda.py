@@ -27,20 +27,14 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaPreTrainedModel, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, apply_rotary_pos_emb
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .backbones import (
-    MASK_FUNCTIONS,
-    adopt_layer,
-    build_backbone,
-    decoder_config,
-    init_backbone_weights,
-    layer_types,
-)
+from .backbones import MASK_FUNCTIONS, adopt_layer, decoder_config, init_backbone_weights, layer_types
+from .causal_lm import DepthFusionForCausalLM, adopt_backbone
 from .configuration_moda import MoDAConfig
 from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
 from .moda_attention import moda_attention, resolve_backend
@@ -328,13 +322,7 @@ class MoDAModel(MoDAPreTrainedModel):
 
     def __init__(self, config: MoDAConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        backbone = build_backbone(config)  # the backbone's own embeddings, decoder layers, final norm, rotary
-        self.embed_tokens = backbone.embed_tokens
-        self.layers = nn.ModuleList([MoDADecoderLayer(config, layer) for layer in backbone.layers])
-        self.norm, self.rotary_emb = backbone.norm, backbone.rotary_emb
-        self.gradient_checkpointing = False
+        adopt_backbone(self, config, lambda index, layer: MoDADecoderLayer(config, layer))
         self.post_init()
 
     @accepts_cache
@@ -409,11 +397,9 @@ class MoDAModel(MoDAPreTrainedModel):
         return torch.stack(shares)
 
 
-class MoDAForCausalLM(MoDAPreTrainedModel, LlamaForCausalLM):
-    """MoDA with a language-modelling head; works with ``generate()`` and the transformers cache.
-
-    ``forward``, the embedding accessors and the tied-weight, tensor- and pipeline-parallel plans are
-    ``LlamaForCausalLM``'s.
+class MoDAForCausalLM(MoDAPreTrainedModel, DepthFusionForCausalLM):
+    """MoDA with a language-modelling head (``DepthFusionForCausalLM``: ``LlamaForCausalLM``'s forward, generation
+    and plans).
 
     Example:
         >>> from depthfusion_hf import MoDAConfig, MoDAForCausalLM
@@ -423,14 +409,7 @@ class MoDAForCausalLM(MoDAPreTrainedModel, LlamaForCausalLM):
         torch.Size([4])
     """
 
-    def __init__(self, config: MoDAConfig):
-        # Past LlamaForCausalLM.__init__ (which builds a LlamaModel) to the pretrained-model base; the config is
-        # checked by MoDAModel's (MoDAPreTrainedModel's) __init__.
-        super(LlamaForCausalLM, self).__init__(config)
-        self.model = MoDAModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+    base_model_class = MoDAModel
 
     def depth_attention_share(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, per_head: bool = False

@@ -25,10 +25,12 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..convert import load_llama_start, load_source, source_config_fields
 from ..data.textfile import DataFormatError, read_json_file
 from ..families import FAMILIES, Family, causal_lm_families
+from ..models.backbones import as_backbone_config
 from ..models.transformers_compat import CHECKPOINTING_TRAINING_ARG
 from ..remote_code import save_model_folder
 from .checkpoints import CheckpointExtras, full_disk_error, get_last_checkpoint
@@ -136,14 +138,19 @@ def build_model(
         config = build_config(kind, dict(arch or {}) | extra, **kwargs)
     for key, value in extra.items():  # a config built before the tokenizer existed
         setattr(config, key, value)
-    return LlamaForCausalLM(config) if family is None else family.task_model_class(config)
+    if family is None:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)  # LlamaForCausalLM, or the backbone's own causal LM
+    return family.task_model_class(config)
 
 
 def build_config(kind: str, fields: dict, **kwargs) -> PretrainedConfig:
-    """The config of ``kind`` from Llama-style ``fields`` plus family fields; validates them (ValueError)."""
+    """The config of ``kind`` from Llama-style ``fields`` plus family fields; validates them (ValueError). The
+    baseline of fields with a ``backbone_config`` is that backbone's own config (the other fields set in it)."""
     family = _family(kind)
     if family is None:
-        return LlamaConfig(**fields)
+        others = {key: value for key, value in fields.items() if key != "backbone_config"}
+        backbone = fields.get("backbone_config")
+        return LlamaConfig(**others) if backbone is None else as_backbone_config(dict(backbone) | others)
     # Family fields given on the command line override the same fields of a family config file.
     return family.config_class(**(fields | kwargs))
 
@@ -155,9 +162,10 @@ def run_name(config: PretrainedConfig) -> str:
 
 
 def baseline_arch(model: PreTrainedModel) -> dict:
-    """The Llama fields of a model's config, to build the same-depth plain baseline."""
+    """The fields of the same-depth plain baseline of a model: its Llama fields, or ``{"backbone_config": ...}`` of its
+    backbone (the baseline is then that backbone's own causal LM)."""
     fields = source_config_fields(model.config)
-    return {k: v for k, v in fields.items() if k in LlamaConfig.__dataclass_fields__}
+    return {k: v for k, v in fields.items() if k in LlamaConfig.__dataclass_fields__ or k == "backbone_config"}
 
 
 def start_from_seeded_llama(model: PreTrainedModel, tokenizer, seed: int) -> bool:
