@@ -59,7 +59,8 @@ class FamilyCase:
         compiled_decoding: compiled static-cache decoding equals eager (``test_compiled_decoding.py``).
         remote_code: a saved folder loads in a fresh process (``test_remote_code_and_convert.py``).
         sharding: FSDP2-sharded equals plain (``test_sharded_parameters.py``).
-        torch_compile: ``torch.compile`` gives the eager numbers, at 4 layers (``test_torch_compile.py``);
+        torch_compile: ``torch.compile`` gives the eager numbers, at 4 layers (``test_torch_compile.py``; one variant
+            on another backbone);
             ``compiled_generate`` names the variant that also decodes and generates compiled.
         op_files: the family's op modules a saved folder holds beside ``configuration_``/``modeling_<family>.py``.
         analysis: a Python expression over ``model`` and ``ids`` giving the family's analysis weights (a tensor),
@@ -97,7 +98,7 @@ CASES: dict[str, FamilyCase] = {
                            "2x2": dict(num_hidden_layers=4, dwa_dilation=2, dwa_period=2)},
         remote_code={"2x2": dict(dwa_dilation=2, dwa_period=2)},
         sharding={"2x1": dict(dwa_dilation=2, dwa_period=1)},
-        torch_compile={"2x1": dict(dwa_dilation=2, dwa_period=1)},
+        torch_compile={"2x1": dict(dwa_dilation=2, dwa_period=1), "qwen3": dict(backbone="qwen3")},
         compiled_generate="2x1",
         op_files=("dwa.py",),
         analysis="model.dwa_weights()",
@@ -116,7 +117,7 @@ CASES: dict[str, FamilyCase] = {
                            "no-ffn-kv": dict(num_hidden_layers=2, moda_ffn_kv=False)},
         remote_code={"post": dict(norm_position="post")},
         sharding={"default": {}},
-        torch_compile={"default": {}, "no-ffn-kv": dict(moda_ffn_kv=False)},
+        torch_compile={"default": {}, "no-ffn-kv": dict(moda_ffn_kv=False), "qwen3": dict(backbone="qwen3")},
         compiled_generate="default",
         op_files=("moda_attention.py", "moda_torch.py"),
         # Closed depth gates (the default): MoDA == Llama. Ungated, one layer reads no depth entry (and the last layer
@@ -137,7 +138,7 @@ CASES: dict[str, FamilyCase] = {
                                                                              attnres_block_size=3)},
         remote_code={"full": {}, "block3": dict(attnres_block_size=3)},
         sharding={"full": {}, "block2": dict(attnres_block_size=2)},
-        torch_compile={"full": {}, "block3": dict(attnres_block_size=3)},
+        torch_compile={"full": {}, "block3": dict(attnres_block_size=3), "gemma3": dict(backbone="gemma3_text")},
         compiled_generate="block3",
         op_files=("attnres.py",),
         analysis="model.depth_attention_weights(ids)",
@@ -159,7 +160,7 @@ CASES: dict[str, FamilyCase] = {
         remote_code={"n4": dict(hc_mult=4)},
         # every parameter sharded, the hyper-connections' odd-sized ones (scale [3], hc_scale [1]) too
         sharding={"n4": {}},
-        torch_compile={"n4": dict(hc_sinkhorn_iters=3)},
+        torch_compile={"n4": dict(hc_sinkhorn_iters=3), "olmo2": dict(hc_sinkhorn_iters=3, backbone="olmo2")},
         compiled_generate="n4",
         op_files=("mhc_connection.py", "mhc_mix.py", "mhc_inputs.py", "mhc_triton.py"),
         analysis="model.hyper_connection_weights(ids)['comb']",

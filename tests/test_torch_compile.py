@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from depthfusion_hf.families import causal_lm_families, get_family
+from depthfusion_hf.families import causal_lm_families
 
-from .family_cases import CASES
+from .family_cases import CASES, tiny_model
 
 EPS64 = torch.finfo(torch.float64).eps
 # "family-variant" -> (family, config fields): the torch_compile variants of every causal family's entry
@@ -40,8 +40,7 @@ def float64_model(name: str, seed: int = 0) -> torch.nn.Module:
     """The variant in float64 with every parameter moved off its initial value (zero pseudo-queries, unit norms
     and identity DWA weights would hide a wrong path)."""
     family, overrides = VARIANTS[name]
-    torch.manual_seed(seed)
-    model = get_family(family).task_model_class(CASES[family].tiny_config(num_hidden_layers=4, **overrides)).double()
+    model = tiny_model(family, seed, num_hidden_layers=4, **overrides).double()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
