@@ -367,8 +367,10 @@ def llama_to_attnres(
     it through an RMSNorm, which undoes the scale *except for its eps*: sub-layer l computes the Llama's
     ``norm(sum)`` with ``eps`` replaced by ``N_l ** 2 * eps``. So the converted model is not exactly the
     Llama: the logits move, by an amount that shrinks with the hidden states' RMS against ``sqrt(eps) N``
-    (docs/ATTNRES.md has measurements; with ``rms_norm_eps -> 0`` the logits agree to float rounding).
-    Continue pre-training to learn the pseudo-queries.
+    (docs/ATTNRES.md has measurements; with ``rms_norm_eps -> 0`` the logits agree to float rounding). A branch with
+    no norm in front (OLMo 2's post-norm layers) would read the sum ``/ N`` itself: there its input projections
+    (:data:`BRANCH_INPUT_PROJECTIONS`) are multiplied by ``N`` instead, which gives the source's sub-layer up to float
+    rounding. Continue pre-training to learn the pseudo-queries.
 
     Args:
         model_or_path: the Llama model, or anything ``LlamaForCausalLM.from_pretrained`` accepts.
@@ -388,9 +390,29 @@ def llama_to_attnres(
     new_keys = tuple(f"model.layers.{i}.{name}." for i in range(config.num_hidden_layers)
                      for name in ("mlp_res", "output_res"))
     copy_llama_weights(llama, model, new_keys=new_keys)
+    undo_uniform_average_scale(model)
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+# The projections that read a decoder layer's branch input, by the branch's module (the backbones' shared names).
+BRANCH_INPUT_PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
+@torch.no_grad()
+def undo_uniform_average_scale(model: torch.nn.Module) -> None:
+    """In a freshly converted AttnRes, multiply the input projections of each branch that has no norm in front by the
+    number N of sources its AttnRes call averages (uniform at conversion: the residual sum ``/ N``), so the branch
+    computes the source's. Branches behind a norm are left as they are (the norm undoes the scale)."""
+    sources = 1  # the embedding
+    for layer in model.model.layers:
+        for branch, norms_in, starts_block in (("self_attn", layer.shape.attention_in, layer.attn_starts_block),
+                                               ("mlp", layer.shape.mlp_in, layer.mlp_starts_block)):
+            if not norms_in and sources > 1:
+                for name in BRANCH_INPUT_PROJECTIONS[branch]:
+                    getattr(getattr(layer, branch), name).weight.mul_(sources)
+            sources += starts_block
 
 
 __all__ += ["llama_to_attnres"]
