@@ -21,14 +21,13 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+from transformers.utils.output_capturing import OutputRecorder
 
 from .attnres import attnres_core, resolve_backend
 from .backbones import adopt_layer, attention_branch, branch_shape, init_backbone_weights, mlp_branch
-from .causal_lm import DepthFusionForCausalLM, adopt_backbone
+from .causal_lm import DepthFusionForCausalLM, DepthFusionModel, adopt_backbone
 from .configuration_attnres import AttnResConfig
-from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
+from .depthfusion_common import CheckedModelMixin
 from .transformers_compat import accepts_cache, cache_kwarg
 
 
@@ -138,51 +137,33 @@ class AttnResModelOutputWithPast(BaseModelOutputWithPast):
     depth_weights: tuple[torch.Tensor, ...] | None = None
 
 
-class AttnResModel(AttnResPreTrainedModel):
+class AttnResModel(DepthFusionModel, AttnResPreTrainedModel):
     """The AttnRes decoder stack: embeddings, Llama layers joined by Attention Residuals, final norm.
 
-    ``last_hidden_state`` is ``norm(h_final)`` [B, T, D]; ``hidden_states`` as for Llama (the embedding, then each
-    layer's output, the next layer's input; the last entry replaced by ``last_hidden_state``)."""
+    ``forward`` takes Llama's arguments and ``output_depth_weights=True``: also return every AttnRes call's softmax
+    weights (``depth_weights``). ``last_hidden_state`` is ``norm(h_final)`` [B, T, D]; ``hidden_states`` as for Llama
+    (the embedding, then each layer's output, the next layer's input; the last entry replaced by
+    ``last_hidden_state``)."""
+
+    output_class = AttnResModelOutputWithPast
+    resolve_backend = staticmethod(resolve_backend)
 
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
         adopt_backbone(self, config, lambda index, layer: AttnResDecoderLayer(config, index, layer))
         self.post_init()
 
-    @accepts_cache
-    @merge_with_config_defaults
-    @capture_outputs
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        output_depth_weights: bool = False,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> AttnResModelOutputWithPast:
-        """Run the decoder: Llama's arguments (``cache``; ``past_key_values`` is a deprecated alias), and
-        ``output_depth_weights``: also return every AttnRes call's softmax weights (``depth_weights``)."""
-        inputs_embeds, position_ids, cache, per_layer = prepare_decoder_inputs(
-            self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
-        )
-        backend_on = backend_per_device(resolve_backend, self.config.op_backend)
-        # Differs from Llama: the depth state starts as (v_0,); sub-layer 1's AttnRes over it is v_0 itself.
+    def run_layers(self, inputs_embeds: torch.Tensor, per_layer: list[dict], *, cache: Cache | None,
+                   position_ids: torch.LongTensor, use_cache: bool | None, backend_on, **kwargs) -> torch.Tensor:
+        # Differs from Llama: the depth state starts as (v_0,); sub-layer 1's AttnRes over it is v_0 itself. (The
+        # depth weights of `output_depth_weights=True` are recorded by capture_outputs.)
+        kwargs.pop("output_depth_weights", None)
         hidden_states, sources = inputs_embeds, (inputs_embeds,)
         for decoder_layer, layer_input in zip(self.layers[: self.config.num_hidden_layers], per_layer):
-            hidden_states, *sources = decoder_layer(
-                hidden_states,
-                *sources,
-                **layer_input,
-                position_ids=position_ids,
-                **cache_kwarg(cache),
-                use_cache=use_cache,
-                op_backend=backend_on(hidden_states.device),
-                **kwargs,
-            )
-        return AttnResModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **cache_kwarg(cache))
+            hidden_states, *sources = decoder_layer(hidden_states, *sources, **layer_input, position_ids=position_ids,
+                                                    **cache_kwarg(cache), use_cache=use_cache,
+                                                    op_backend=backend_on(hidden_states.device), **kwargs)
+        return hidden_states
 
     @torch.no_grad()
     def depth_attention_weights(

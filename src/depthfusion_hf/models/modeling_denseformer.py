@@ -21,19 +21,14 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
-from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
 
 from .backbones import BACKBONE_LAYER_NAMES, init_backbone_weights
-from .causal_lm import DepthFusionForCausalLM, adopt_backbone
+from .causal_lm import DepthFusionForCausalLM, DepthFusionModel, adopt_backbone
 from .configuration_denseformer import DenseFormerConfig
-from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
+from .depthfusion_common import CheckedModelMixin
 from .dwa import dwa_core, resolve_backend
-from .transformers_compat import accepts_cache, cache_kwarg
+from .transformers_compat import cache_kwarg
 
 
 def dwa_sources(step: int, dilation: int) -> list[int]:
@@ -110,12 +105,14 @@ class DenseFormerPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
             init.copy_(module.alphas, module.identity_alphas().to(module.alphas.device, module.alphas.dtype))
 
 
-class DenseFormerModel(DenseFormerPreTrainedModel):
+class DenseFormerModel(DepthFusionModel, DenseFormerPreTrainedModel):
     """The DenseFormer decoder stack: embeddings, blocks with DWA steps, final norm.
 
     Returns ``BaseModelOutputWithPast`` whose ``last_hidden_state`` is ``norm(Y_d)``: [B, T, D].
     With ``output_hidden_states=True`` the recorded states are the block outputs ``X_i``.
     """
+
+    resolve_backend = staticmethod(resolve_backend)
 
     def __init__(self, config: DenseFormerConfig):
         super().__init__(config)
@@ -128,46 +125,16 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
         """The learned DWA weights as a dense [d, d + 1] matrix (0 where not connected)."""
         return self.dwa.weight_matrix()
 
-    @accepts_cache
-    @merge_with_config_defaults
-    @capture_outputs
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPast:
-        """Run the decoder.
-
-        Args:
-            input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
-            attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
-            position_ids: [B, T]; by default continue from the cache length.
-            cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
-            use_cache: build a ``DynamicCache`` when none is given.
-        """
-        inputs_embeds, position_ids, cache, per_layer = prepare_decoder_inputs(
-            self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
-        )
+    def run_layers(self, inputs_embeds: torch.Tensor, per_layer: list[dict], *, cache: Cache | None,
+                   position_ids: torch.LongTensor, use_cache: bool | None, backend_on, **kwargs) -> torch.Tensor:
         hidden_states = inputs_embeds
         # Differs from Llama: keep the block outputs X_j that later DWA steps read (X_0 = embeddings).
         needed = self.dwa.needed
         block_outputs: dict[int, torch.Tensor] = {0: hidden_states} if 0 in needed else {}
-        backend_on = backend_per_device(resolve_backend, self.config.op_backend)
         for i, (decoder_layer, layer_input) in enumerate(zip(self.layers[: self.config.num_hidden_layers], per_layer),
                                                          start=1):
-            hidden_states = decoder_layer(
-                hidden_states,
-                **layer_input,
-                position_ids=position_ids,
-                **cache_kwarg(cache),
-                use_cache=use_cache,
-                **kwargs,
-            )
+            hidden_states = decoder_layer(hidden_states, **layer_input, position_ids=position_ids,
+                                          **cache_kwarg(cache), use_cache=use_cache, **kwargs)
             if i in needed:
                 block_outputs[i] = hidden_states
             if i in self.dwa.offsets:
@@ -177,8 +144,7 @@ class DenseFormerModel(DenseFormerPreTrainedModel):
                 device = hidden_states.device
                 sources = [block_outputs[j].to(device) for j in self.dwa.sources[i]]
                 hidden_states = self.dwa(sources, i, backend=backend_on(device))
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwarg(cache))
+        return hidden_states
 
 
 class DenseFormerForCausalLM(DenseFormerPreTrainedModel, DepthFusionForCausalLM):

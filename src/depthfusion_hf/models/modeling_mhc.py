@@ -17,17 +17,14 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
 
 from .backbones import adopt_layer, attention_branch, branch_shape, init_backbone_weights, mlp_branch
-from .causal_lm import DepthFusionForCausalLM, adopt_backbone
+from .causal_lm import DepthFusionForCausalLM, DepthFusionModel, adopt_backbone
 from .configuration_mhc import MHCConfig
-from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
+from .depthfusion_common import CheckedModelMixin
 from .mhc_connection import (
     hyper_connection_core,
     hyper_connection_weights_reference,
@@ -175,7 +172,7 @@ class MHCPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
             init.ones_(module.hc_scale)
 
 
-class MHCModel(MHCPreTrainedModel):
+class MHCModel(DepthFusionModel, MHCPreTrainedModel):
     """The mHC decoder stack: embeddings copied into n streams, Llama blocks joined by hyper-connections, the
     head collapse and the final norm.
 
@@ -185,6 +182,8 @@ class MHCModel(MHCPreTrainedModel):
     transformers' DeepSeek-V4).
     """
 
+    resolve_backend = staticmethod(resolve_backend)
+
     def __init__(self, config: MHCConfig):
         super().__init__(config)
         # Differs from the backbone: hyper-connections around each sub-layer, the streams' final collapse.
@@ -192,46 +191,14 @@ class MHCModel(MHCPreTrainedModel):
                        hc_head=MHCHyperHead(config))
         self.post_init()
 
-    @accepts_cache
-    @merge_with_config_defaults
-    @capture_outputs
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPast:
-        """Run the decoder.
-
-        Args:
-            input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
-            attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
-            position_ids: [B, T]; by default continue from the cache length.
-            cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
-            use_cache: build a ``DynamicCache`` when none is given.
-        """
-        inputs_embeds, position_ids, cache, per_layer = prepare_decoder_inputs(
-            self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
-        )
-        backend_on = backend_per_device(resolve_backend, self.config.op_backend)
-        # Differs from Llama: the residual is hc_mult streams, each a copy of the embedding.
+    def run_layers(self, inputs_embeds: torch.Tensor, per_layer: list[dict], *, cache: Cache | None,
+                   position_ids: torch.LongTensor, use_cache: bool | None, backend_on, **kwargs) -> torch.Tensor:
+        # Differs from Llama: the residual is hc_mult streams, each a copy of the embedding, collapsed by the head.
         hidden_states = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)  # (B, T, n, D)
         for decoder_layer, layer_input in zip(self.layers[: self.config.num_hidden_layers], per_layer):
-            hidden_states = decoder_layer(
-                hidden_states,
-                **layer_input,
-                position_ids=position_ids,
-                **cache_kwarg(cache),
-                use_cache=use_cache,
-                op_backend=backend_on(hidden_states.device),
-                **kwargs,
-            )
-        hidden_states = self.norm(self.hc_head(hidden_states, backend_on(hidden_states.device)))
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwarg(cache))
+            hidden_states = decoder_layer(hidden_states, **layer_input, position_ids=position_ids, **cache_kwarg(cache),
+                                          use_cache=use_cache, op_backend=backend_on(hidden_states.device), **kwargs)
+        return self.hc_head(hidden_states, backend_on(hidden_states.device))
 
     @torch.no_grad()
     def hyper_connection_weights(self, input_ids: torch.LongTensor,

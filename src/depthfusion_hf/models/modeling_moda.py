@@ -26,17 +26,14 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, apply_rotary_pos_emb
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
 
 from .backbones import MASK_FUNCTIONS, adopt_layer, decoder_config, init_backbone_weights, layer_types
-from .causal_lm import DepthFusionForCausalLM, adopt_backbone
+from .causal_lm import DepthFusionForCausalLM, DepthFusionModel, adopt_backbone
 from .configuration_moda import MoDAConfig
-from .depthfusion_common import CheckedModelMixin, backend_per_device, prepare_decoder_inputs
+from .depthfusion_common import CheckedModelMixin
 from .moda_attention import moda_attention, resolve_backend
 from .transformers_compat import accepts_cache, cache_kwarg
 
@@ -312,7 +309,7 @@ class MoDAPreTrainedModel(CheckedModelMixin, LlamaPreTrainedModel):
             init.zeros_(module.depth_gate_log_scale)
 
 
-class MoDAModel(MoDAPreTrainedModel):
+class MoDAModel(DepthFusionModel, MoDAPreTrainedModel):
     """The MoDA decoder stack: embeddings, MoDA blocks reading the per-token depth entries, final norm.
 
     Returns ``BaseModelOutputWithPast`` whose ``last_hidden_state`` is [B, T, D]. With
@@ -320,40 +317,19 @@ class MoDAModel(MoDAPreTrainedModel):
     [B, Hq, T, S + M_l]: the first S columns are the sequence pool, the last M_l the depth entries.
     """
 
+    resolve_backend = staticmethod(resolve_backend)
+
     def __init__(self, config: MoDAConfig):
         super().__init__(config)
         adopt_backbone(self, config, lambda index, layer: MoDADecoderLayer(config, layer))
         self.post_init()
 
-    @accepts_cache
-    @merge_with_config_defaults
-    @capture_outputs
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPast:
-        """Run the decoder.
-
-        Args:
-            input_ids: [B, T] token ids (or ``inputs_embeds`` [B, T, D]).
-            attention_mask: [B, S] padding mask over cached + new positions (1 = keep).
-            position_ids: [B, T]; by default continue from the cache length.
-            cache: a transformers ``Cache`` (``past_key_values`` is accepted as a deprecated alias).
-            use_cache: build a ``DynamicCache`` when none is given.
-        """
-        hidden_states, position_ids, cache, per_layer = prepare_decoder_inputs(
-            self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache
-        )
-        masks = bottom_right_masks(self, per_layer, hidden_states, position_ids, cache)
+    def run_layers(self, inputs_embeds: torch.Tensor, per_layer: list[dict], *, cache: Cache | None,
+                   position_ids: torch.LongTensor, use_cache: bool | None, backend_on, **kwargs) -> torch.Tensor:
+        hidden_states = inputs_embeds
+        masks = bottom_right_masks(self, per_layer, inputs_embeds, position_ids, cache)
         kwargs["output_attentions"] = bool(kwargs.get("output_attentions", self.config.output_attentions))
-        # Differs from the backbone: the op's backend (once per pass and device), the depth entries written so far.
-        backend_on = backend_per_device(resolve_backend, self.config.op_backend)
+        # Differs from the backbone: the depth entries written so far.
         types = layer_types(self.config)
         depth_ropes = {kind: depth_rotary(*per_layer[types.index(kind)]["position_embeddings"])
                        for kind in set(types)} if self.config.moda_ffn_kv else {}
@@ -369,8 +345,7 @@ class MoDAModel(MoDAPreTrainedModel):
             )
             keys += written[: len(written) // 2]
             values += written[len(written) // 2:]
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwarg(cache))
+        return hidden_states
 
     @torch.no_grad()
     def depth_attention_share(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
