@@ -188,15 +188,5 @@ def pack_into_blocks(tokenizer, texts: Sequence[str], block_size: int, max_block
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
 
 
-__all__ = [
-    "BUILTIN_CORPUS",
-    "MIN_BPE_VOCAB",
-    "kjv_path",
-    "load_kjv_chapters",
-    "load_documents",
-    "read_json_documents",
-    "read_text_documents",
-    "split_documents",
-    "train_bpe_tokenizer",
-    "pack_into_blocks",
-]
+__all__ = ["BUILTIN_CORPUS", "MIN_BPE_VOCAB", "kjv_path", "load_kjv_chapters", "load_documents", "read_json_documents",
+           "read_text_documents", "split_documents", "train_bpe_tokenizer", "pack_into_blocks"]

@@ -1,10 +1,11 @@
-"""What a causal-LM run records about its data in ``results.json`` (model cards read it; see ``model_card``)."""
+"""What runs record: a causal-LM run's data in ``results.json`` (model cards read it; see ``model_card``), and the
+markdown tables of the recipes' reports."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..data.corpus import BUILTIN_CORPUS
@@ -48,4 +49,11 @@ def data_record(
                      "validation_fraction": None if validation_files else validation_fraction}
 
 
-__all__ = ["BUILTIN_CORPORA", "data_record", "file_sha256"]
+def table_lines(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """The lines of a markdown table: ``header``, then one line per row; the first column left-aligned, the others
+    right-aligned (numbers)."""
+    return [f"| {' | '.join(header)} |", "|---|" + "---:|" * (len(header) - 1),
+            *(f"| {' | '.join(map(str, row))} |" for row in rows)]
+
+
+__all__ = ["BUILTIN_CORPORA", "data_record", "file_sha256", "table_lines"]
