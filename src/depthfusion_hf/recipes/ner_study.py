@@ -1,26 +1,14 @@
 """The fair few-shot NER study (issue 12 §3): per-method settings chosen on a development split, then test.
 
-For every training size and method, the study
+For every training size and method, the study **selects** a learning rate and a step count on a dev split carved from
+the training pool (never on the test split; :func:`select_point`), then **tests** the selected point on the training
+sets of other seeds, scoring the fixed test split. The pool is that of :func:`depthfusion_hf.recipes.ner.load_splits`
+without the copies of test sentences and without the dev sentences, so no training, dev or test sentence is shared.
 
-1. **selects** a learning rate and a step count on a development split carved from the training pool
-   (never on the test split): every point of the grid ``learning_rates x step_grid`` (head rate =
-   ``head_lr_ratio`` x encoder rate) is trained on the training sets of ``selection_seeds`` and scored
-   on the dev sentences; the point with the best mean dev F1 wins (ties: fewer steps, then the lower
-   rate);
-2. **tests** the selected point on the training sets of ``seeds`` (other seeds than the selection's by
-   default), scoring the fixed test split.
-
-The pool is the training pool of :func:`depthfusion_hf.recipes.ner.load_splits` without the sentences
-whose tokens equal a test sentence (WNUT-16: 29 pool tweets repeat 23 of the 300 test tweets, 11 of
-them with entities), minus the ``dev_size`` dev sentences drawn with ``dev_seed``: the training sets of
-both phases are drawn from what is left, so no training, dev or test sentence is shared.
-
-Every finished run is one JSON file under ``<output_dir>/runs/``; a rerun skips the files it finds
-(resume), and refuses an output folder written with other fixed settings (data, grid, optimisation).
-After each run the report is rewritten: ``selected.json`` (the selected point per size and method, with
-its dev F1), ``results.json`` / ``results.md`` (mean ± std test F1, the paired gain over ``last`` and
-over ``last_ln`` with a 95 % t-interval and the seeds won, and wall time) and ``f1_vs_size.png``.
-``shard="k/n"`` runs every n-th (size, method) cell, so that n processes can share one output folder.
+Every finished run is one JSON file under ``<output_dir>/runs/`` (:class:`RunStore`); a rerun skips the files it finds
+(resume) and refuses an output folder written with other fixed settings. After each run the report is rewritten
+(:func:`write_report`): ``selected.json``, ``results.json`` / ``results.md`` (mean ± std test F1, the paired gains
+over ``last`` and ``last_ln`` with a 95 % t-interval and the seeds won, wall time) and ``f1_vs_size.png``.
 """
 
 from __future__ import annotations
