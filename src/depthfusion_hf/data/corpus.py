@@ -15,6 +15,7 @@ from .documents import is_blank, read_json_documents, read_local_file, read_text
 from .textfile import package_file
 
 BUILTIN_CORPUS = "kjv"
+BUILTIN_CORPORA = (BUILTIN_CORPUS, "plays")  # the corpora `load_documents` ships (the rest are Hub ids)
 MIN_BPE_VOCAB = 258  # byte-level BPE: the 256 byte symbols and the 2 special tokens
 
 
@@ -174,5 +175,5 @@ def pack_into_blocks(tokenizer, texts: Sequence[str], block_size: int, max_block
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
 
 
-__all__ = ["BUILTIN_CORPUS", "MIN_BPE_VOCAB", "load_kjv_chapters", "load_documents", "read_json_documents",
-           "read_text_documents", "split_documents", "train_bpe_tokenizer", "pack_into_blocks"]
+__all__ = ["BUILTIN_CORPORA", "BUILTIN_CORPUS", "MIN_BPE_VOCAB", "load_kjv_chapters", "load_documents",
+           "read_json_documents", "read_text_documents", "split_documents", "train_bpe_tokenizer", "pack_into_blocks"]

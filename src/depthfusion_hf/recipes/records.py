@@ -7,10 +7,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from ..data.corpus import BUILTIN_CORPUS
+from ..data.corpus import BUILTIN_CORPORA, BUILTIN_CORPUS
 from ..data.textfile import file_sha256
-
-BUILTIN_CORPORA = (BUILTIN_CORPUS, "plays")  # the corpora `load_documents` ships (the rest are Hub ids)
 
 
 def data_record(
