@@ -55,13 +55,11 @@ from depthfusion_hf.gguf_source import gguf_float_folder
 from depthfusion_hf.recipes.checkpoints import (
     TOKENIZER_FIELDS,
     architecture_mismatches,
-    checkpoint_config,
     checkpoint_tokenizer,
     get_last_checkpoint,
     resolve_checkpoint,
     resume_config,
     resume_run,
-    same_vocabulary,
 )
 from depthfusion_hf.recipes.clm import (
     BASELINE,
@@ -225,7 +223,7 @@ def run_tokenizer(args: argparse.Namespace, checkpoint: str | None, train_docs: 
         own, owner = checkpoint_tokenizer(checkpoint), f"the checkpoint {checkpoint}"
     if own is None and args.init_from is not None:
         own, owner = tokenizer_of(args.init_from), f"the Llama {args.init_from}"
-    if own is not None and given is not None and not same_vocabulary(own, given):
+    if own is not None and given is not None and own.get_vocab() != given.get_vocab():
         raise ValueError(f"--tokenizer {args.tokenizer} has another vocabulary ({len(given)} tokens) than {owner}'s "
                          f"own tokenizer ({len(own)} tokens): the model's embeddings belong to that one; leave "
                          "--tokenizer out to use it")
@@ -279,7 +277,7 @@ def check_results_files(out: Path) -> None:
 
 def check_baseline_checkpoint(checkpoint: str, baseline) -> None:
     """A baseline resumed by ``latest`` must hold the baseline this run builds (the same shape and vocabulary)."""
-    mismatches = architecture_mismatches(baseline.config, checkpoint_config(checkpoint))
+    mismatches = architecture_mismatches(baseline.config, AutoConfig.from_pretrained(checkpoint))
     if mismatches:
         parts = "; ".join(f"{name}: this run {new!r}, the checkpoint {old!r}"
                           for name, (new, old) in mismatches.items())

@@ -1,5 +1,5 @@
-"""Figures: the learned DWA weight matrix (as in the DenseFormer paper's Figure 5), per-layer bars, the main
-job's per-family analysis plots (named in the family registry) and the few-shot NER F1 curves."""
+"""Figures: the learned DWA weight matrix (as in the DenseFormer paper's Figure 5), the main job's per-family
+analysis plots (named in the family registry) and the few-shot NER F1 curves."""
 
 from __future__ import annotations
 
@@ -31,73 +31,62 @@ def save_figure(fig, path: str | Path) -> Path:
     return path
 
 
+def draw_heatmap(fig, ax, matrix: torch.Tensor, annotate: bool, text_color, fontsize: int, **imshow):
+    """Draw ``matrix`` [R, C] on ``ax`` with its exact zeros (unconnected entries) blank and a colour bar; with
+    ``annotate`` each non-zero value is written in its cell, in the colour ``text_color(value)``. Returns the bar."""
+    import numpy as np
+
+    image = ax.imshow(matrix.masked_fill(matrix == 0, float("nan")).numpy(), **imshow)
+    if annotate:
+        for (i, j), value in np.ndenumerate(matrix.numpy()):
+            if value != 0:
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=fontsize, color=text_color(value))
+    return fig.colorbar(image, ax=ax, shrink=0.8)
+
+
 def plot_dwa_heatmap(weights: torch.Tensor, path: str | Path, title: str = "DWA weights") -> Path:
     """Save a heatmap of a [d, d + 1] DWA weight matrix (row i: the weights of the DWA after block i + 1).
 
     Unconnected entries (exact zeros) are blank; the colour scale is symmetric around 0.
     """
     plt = agg_pyplot()
-    import numpy as np
-
     matrix = weights.detach().float().cpu()
     if matrix.dim() != 2 or matrix.shape[1] != matrix.shape[0] + 1:
         raise ValueError(f"weights must have shape [d, d + 1]; got {tuple(matrix.shape)}")
-    masked = matrix.masked_fill(matrix == 0, float("nan")).numpy()
     limit = max(float(matrix.abs().max()), 1e-6)
     side = max(5.0, 1.5 + 0.35 * matrix.shape[1])
     fig, ax = plt.subplots(figsize=(side + 1.0, max(4.0, 1.2 + 0.35 * matrix.shape[0])))
-    image = ax.imshow(masked, cmap="RdBu_r", vmin=-limit, vmax=limit)
-    if matrix.shape[0] <= 12:  # small matrices: print the weights, most of which are close to 0
-        for (i, j), value in np.ndenumerate(matrix.numpy()):
-            if value != 0:
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if abs(value) > 0.6 * limit else "black")
+    # small matrices: print the weights, most of which are close to 0
+    draw_heatmap(fig, ax, matrix, matrix.shape[0] <= 12, lambda v: "white" if abs(v) > 0.6 * limit else "black", 7,
+                 cmap="RdBu_r", vmin=-limit, vmax=limit)
     ax.set_xlabel("source j (0 = embeddings, j = output of block j)")
     ax.set_ylabel("DWA after block i")
     ax.set_xticks(range(matrix.shape[1]))
     ax.set_yticks(range(matrix.shape[0]), labels=[str(i + 1) for i in range(matrix.shape[0])])
     ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=ax, shrink=0.8)
     return save_figure(fig, path)
 
 
-def plot_per_layer(values: Sequence[float], path: str | Path, ylabel: str, title: str) -> Path:
-    """Save a bar chart of one value per layer (e.g. MoDA's share of attention mass on depth entries)."""
-    plt = agg_pyplot()
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(range(len(values)), list(values))
-    ax.set_xlabel("layer")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    return save_figure(fig, path)
+# The main job's analysis plots (families.AnalysisPlot: trained model, output folder, one validation sequence [1, T],
+# run label -> the file written), named in the family registry.
 
 
 def plot_denseformer_analysis(model, out_dir: str | Path, sample_ids: torch.Tensor, label: str) -> Path:
-    """The main job's DenseFormer figure: the learned DWA weights as ``out_dir/dwa_weights.png``.
-
-    Args:
-        model: a trained ``DenseFormerForCausalLM``.
-        out_dir: the run's output folder.
-        sample_ids: [1, T] token ids (unused: the weights do not depend on the input).
-        label: the run, e.g. ``"denseformer 2x2, 500 steps"``, shown in the title.
-    """
+    """DenseFormer: the learned DWA weights (they do not depend on ``sample_ids``), ``out_dir/dwa_weights.png``."""
     return plot_dwa_heatmap(model.dwa_weights(), Path(out_dir) / "dwa_weights.png",
                             title=f"learned DWA weights ({label})")
 
 
 def plot_moda_analysis(model, out_dir: str | Path, sample_ids: torch.Tensor, label: str) -> Path:
-    """The main job's MoDA figure: each layer's attention mass on depth entries, ``out_dir/moda_depth_share.png``.
-
-    Args:
-        model: a trained ``MoDAForCausalLM``.
-        out_dir: the run's output folder.
-        sample_ids: [1, T] token ids of one validation sequence, on which the share is measured.
-        label: the run (unused; the title names the family).
-    """
+    """MoDA: each layer's share of attention mass on depth entries over ``sample_ids``, a bar chart
+    ``out_dir/moda_depth_share.png`` (the title names the family, not ``label``)."""
     share = model.depth_attention_share(sample_ids.to(model.device))
-    return plot_per_layer(share, Path(out_dir) / "moda_depth_share.png", "attention mass on depth entries",
-                          "MoDA: share of attention on depth KVs per layer")
+    fig, ax = agg_pyplot().subplots(figsize=(6, 3.5))
+    ax.bar(range(len(share)), list(share))
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention mass on depth entries")
+    ax.set_title("MoDA: share of attention on depth KVs per layer")
+    return save_figure(fig, Path(out_dir) / "moda_depth_share.png")
 
 
 def plot_f1_vs_size(rows: Sequence[dict], fusions: Sequence[str], path: str | Path, title: str) -> Path:
@@ -123,12 +112,5 @@ def plot_f1_vs_size(rows: Sequence[dict], fusions: Sequence[str], path: str | Pa
     return save_figure(fig, path)
 
 
-__all__ = [
-    "agg_pyplot",
-    "plot_denseformer_analysis",
-    "plot_dwa_heatmap",
-    "plot_f1_vs_size",
-    "plot_moda_analysis",
-    "plot_per_layer",
-    "save_figure",
-]
+__all__ = ["agg_pyplot", "draw_heatmap", "plot_denseformer_analysis", "plot_dwa_heatmap", "plot_f1_vs_size",
+           "plot_moda_analysis", "save_figure"]

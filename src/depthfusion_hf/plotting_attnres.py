@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .plotting import agg_pyplot, save_figure
+from .plotting import agg_pyplot, draw_heatmap, save_figure
 
 
 def depth_attention_labels(num_layers: int, block_size: int | None) -> tuple[list[str], list[str]]:
@@ -31,36 +31,27 @@ def plot_depth_attention_heatmap(
     block_size: int | None,
     title: str = "AttnRes depth-attention weights",
 ) -> Path:
-    """Save a heatmap of an AttnRes depth-attention matrix (``model.depth_attention_weights(ids)``).
+    """Save a heatmap of an AttnRes depth-attention matrix (``model.depth_attention_weights(ids)``) to ``path``.
 
     Args:
         weights: [2L + 1, N_max]: row c = the softmax of the call feeding sub-layer c + 1 (last row: the final
             call), averaged over tokens; 0 where a call has no such source (left blank).
-        path: the PNG to write (folders are created).
         num_layers: L, the model's ``num_hidden_layers``.
         block_size: the config's ``attnres_block_size`` (None = full AttnRes), for the labels.
-        title: the figure title.
-    Returns:
-        ``path``.
     Raises:
         ValueError: if ``weights`` does not have the shape these settings give.
     """
     plt = agg_pyplot()
-    import numpy as np
-
     rows, cols = depth_attention_labels(num_layers, block_size)
     matrix = weights.detach().float().cpu()
     if tuple(matrix.shape) != (len(rows), len(cols)):
         raise ValueError(f"weights must have shape [2L + 1, N + 1] = {(len(rows), len(cols))} for L = {num_layers}, "
                          f"attnres_block_size = {block_size}; got {tuple(matrix.shape)}")
-    masked = matrix.masked_fill(matrix == 0, float("nan")).numpy()
     fig, ax = plt.subplots(figsize=(max(5.0, 1.8 + 0.42 * len(cols)), max(4.0, 1.2 + 0.32 * len(rows))))
-    image = ax.imshow(masked, cmap="viridis", vmin=0.0, vmax=max(float(matrix.max()), 1e-6), aspect="auto")
-    if len(rows) * len(cols) <= 400:  # small matrices: print the weights
-        for (i, j), value in np.ndenumerate(matrix.numpy()):
-            if value != 0:
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6,
-                        color="black" if value > 0.6 * float(matrix.max()) else "white")
+    top = float(matrix.max())
+    bar = draw_heatmap(fig, ax, matrix, len(rows) * len(cols) <= 400, lambda v: "black" if v > 0.6 * top else "white",
+                       6, cmap="viridis", vmin=0.0, vmax=max(top, 1e-6), aspect="auto")  # small matrices: printed
+    bar.set_label("mean softmax weight")
     ax.set_xticks(range(len(cols)), labels=cols, fontsize=7)
     ax.set_yticks(range(len(rows)), labels=rows, fontsize=7)
     # Two lines: one would be wider than a narrow heatmap's figure.
@@ -69,20 +60,12 @@ def plot_depth_attention_heatmap(
                   fontsize=9)
     ax.set_ylabel("AttnRes call feeding")
     ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=ax, shrink=0.8, label="mean softmax weight")
     return save_figure(fig, path)
 
 
 def plot_attnres_analysis(model, out_dir: str | Path, sample_ids: torch.Tensor, label: str) -> Path:
-    """The main job's AttnRes figure: the depth-attention weights on a validation sequence,
-    ``out_dir/attnres_depth_weights.png``.
-
-    Args:
-        model: a trained ``AttnResForCausalLM``.
-        out_dir: the run's output folder.
-        sample_ids: [1, T] token ids of one validation sequence; the weights are averaged over its tokens.
-        label: the run, e.g. ``"attnres block 4, 500 steps"``, shown in the title.
-    """
+    """AttnRes's analysis plot (a ``families.AnalysisPlot``): the depth-attention weights averaged over the tokens of
+    ``sample_ids`` [1, T], ``out_dir/attnres_depth_weights.png``."""
     config = model.config
     weights = model.depth_attention_weights(sample_ids.to(model.device))
     return plot_depth_attention_heatmap(weights, Path(out_dir) / "attnres_depth_weights.png",

@@ -31,7 +31,7 @@ def check_mhc_weights(weights: dict[str, torch.Tensor]) -> tuple[int, int]:
 
 def plot_mhc_weights(weights: dict[str, torch.Tensor], path: str | Path,
                      title: str = "mHC hyper-connection weights") -> Path:
-    """Save a figure of the hyper-connection weights of every sub-layer.
+    """Save a figure of the hyper-connection weights of every sub-layer to ``path``.
 
     Top: ``pre`` (how the sub-layer's input collapses the n streams; the last row is the head's) and ``post`` (how
     its output spreads over them), one row per sub-layer. Below: the ``comb`` matrix of every sub-layer (row j,
@@ -40,10 +40,6 @@ def plot_mhc_weights(weights: dict[str, torch.Tensor], path: str | Path,
     Args:
         weights: ``MHCForCausalLM.hyper_connection_weights(ids)``: pre / post [L, 2, n], comb [L, 2, n, n],
             head [n] (sub-layer 0 of a layer is its attention, 1 its MLP).
-        path: the PNG to write (folders are created).
-        title: the figure title.
-    Returns:
-        ``path``.
     Raises:
         ValueError: for weights of other shapes (:func:`check_mhc_weights`).
     """
@@ -83,14 +79,8 @@ def plot_mhc_weights(weights: dict[str, torch.Tensor], path: str | Path,
 
 
 def plot_mhc_analysis(model, out_dir: str | Path, sample_ids: torch.Tensor, label: str) -> Path:
-    """The main job's mHC figure: the hyper-connection weights on a validation sequence, ``out_dir/mhc_weights.png``.
-
-    Args:
-        model: a trained ``MHCForCausalLM``.
-        out_dir: the run's output folder.
-        sample_ids: [1, T] token ids of one validation sequence; the weights are averaged over its tokens.
-        label: the run, e.g. ``"mhc n4, 500 steps"``, shown in the title.
-    """
+    """mHC's analysis plot (a ``families.AnalysisPlot``): the hyper-connection weights averaged over the tokens of
+    ``sample_ids`` [1, T], ``out_dir/mhc_weights.png``."""
     weights = model.hyper_connection_weights(sample_ids.to(model.device))
     return plot_mhc_weights(weights, Path(out_dir) / "mhc_weights.png",
                             title=f"mHC hyper-connection weights ({label})")

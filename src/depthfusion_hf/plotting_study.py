@@ -8,6 +8,8 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from .plotting import agg_pyplot, save_figure
 from .recipes.study.tables import compare_summary, model_order
 
@@ -24,25 +26,17 @@ def plot_loss_curves(records: Sequence[dict], path: str | Path, title: str, incl
     for spec in model_order(records):
         curves = [r["curve"] for r in records if r["spec"] == spec]
         steps = sorted({p["step"] for c in curves for p in c})
-        means, lows, highs = [], [], []
-        for step in steps:
-            values = [p["eval_loss"] for c in curves for p in c if p["step"] == step]
-            mean = statistics.fmean(values)
-            std = statistics.stdev(values) if len(values) > 1 else 0.0
-            means.append(mean)
-            lows.append(mean - std)
-            highs.append(mean + std)
+        values = [[p["eval_loss"] for c in curves for p in c if p["step"] == step] for step in steps]
+        means = np.array([statistics.fmean(v) for v in values])
+        stds = np.array([statistics.stdev(v) if len(v) > 1 else 0.0 for v in values])
         line, = ax.plot(steps, means, label=f"{spec} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
-        ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2)
+        ax.fill_between(steps, means - stds, means + stds, color=line.get_color(), alpha=0.2)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/token)")
     losses = [p["eval_loss"] for r in records for p in r["curve"] if include_start or p["step"] > 0]
     if losses:  # the step-0 loss (about ln V) would squash the rest
         ax.set_ylim(min(losses) - 0.05, max(losses) + 0.05)
-    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return save_figure(fig, path)
+    return _finish(fig, ax, title, path)
 
 
 def plot_delta_vs_depth(records: Sequence[dict], path: str | Path, title: str) -> Path:
@@ -67,6 +61,11 @@ def plot_delta_vs_depth(records: Sequence[dict], path: str | Path, title: str) -
     ax.set_xlabel("layers")
     ax.set_xticks(sorted(summary))
     ax.set_ylabel("Δ val loss vs Llama (paired; < 0 is better)")
+    return _finish(fig, ax, title, path)
+
+
+def _finish(fig, ax, title: str, path: str | Path) -> Path:
+    """The title (wrapped at 70 characters), legend and grid of a study figure; saves it to ``path``."""
     ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

@@ -12,8 +12,8 @@ import transformers
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 import depthfusion_hf  # noqa: F401  (registers the model types)
-from depthfusion_hf.families import FAMILIES
-from depthfusion_hf.recipes.clm import MODEL_KINDS, build_config, load_arch
+from depthfusion_hf.families import FAMILIES, causal_lm_families
+from depthfusion_hf.recipes.clm import BASELINE, build_config, load_arch
 from depthfusion_hf.recipes.ner import NerSettings, load_selected
 from depthfusion_hf.recipes.ner_study import NerStudySettings
 from tests.moda.moda_cost import moda_cost
@@ -60,7 +60,7 @@ def test_every_config_builds(path):
         assert count(on_meta(config)) > 0
     elif set(data) - {"_comment"} <= set(LlamaConfig.__dataclass_fields__):
         # an architecture for scripts/train_clm.py --config: valid for every model kind it can build
-        for kind in MODEL_KINDS:
+        for kind in (*causal_lm_families(), BASELINE):
             config = build_config(kind, {"vocab_size": 100, **load_arch(path)})
             assert count(on_meta(config)) > 0
     elif path.name.startswith("ner_study_"):  # the NER study's settings (unknown keys are rejected)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from depthfusion_hf.recipes.clm import sharded_training, unsharded_model
+from depthfusion_hf.recipes.clm import unsharded_model
 
 from .builders import tiny_denseformer, tiny_moda, token_batch
 
@@ -47,13 +47,3 @@ def test_unsharded_training_saves_the_model_itself_and_bad_states_fail():
     with pytest.raises(RuntimeError, match="missing"):
         unsharded_model(fake_trainer(model, state), model)
 
-
-def test_sharded_training_reads_accelerate_launch_flags(monkeypatch):
-    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
-    assert not sharded_training()
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    assert sharded_training()
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "True")
-    assert sharded_training()

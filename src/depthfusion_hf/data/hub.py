@@ -19,13 +19,12 @@ def sentences_from_hf_split(split, tokens_column: str = "tokens", tags_column: s
     return sentences
 
 
-def load_hub_ner(name: str, config_name: str | None = None, tokens_column: str = "tokens",
-                 tags_column: str = "ner_tags") -> dict[str, list[dict]]:
+def load_hub_ner(name: str, config_name: str | None = None) -> dict[str, list[dict]]:
     """Load every split of a Hub NER dataset with ``datasets.load_dataset`` (needs network or a cache)."""
     from datasets import load_dataset
 
     dataset = load_dataset(name, config_name)
-    return {split: sentences_from_hf_split(dataset[split], tokens_column, tags_column) for split in dataset}
+    return {split: sentences_from_hf_split(dataset[split]) for split in dataset}
 
 
 __all__ = ["load_hub_ner", "sentences_from_hf_split"]

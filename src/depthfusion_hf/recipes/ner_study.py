@@ -1,26 +1,14 @@
 """The fair few-shot NER study (issue 12 §3): per-method settings chosen on a development split, then test.
 
-For every training size and method, the study
+For every training size and method, the study **selects** a learning rate and a step count on a dev split carved from
+the training pool (never on the test split; :func:`select_point`), then **tests** the selected point on the training
+sets of other seeds, scoring the fixed test split. The pool is that of :func:`depthfusion_hf.recipes.ner.load_splits`
+without the copies of test sentences and without the dev sentences, so no training, dev or test sentence is shared.
 
-1. **selects** a learning rate and a step count on a development split carved from the training pool
-   (never on the test split): every point of the grid ``learning_rates x step_grid`` (head rate =
-   ``head_lr_ratio`` x encoder rate) is trained on the training sets of ``selection_seeds`` and scored
-   on the dev sentences; the point with the best mean dev F1 wins (ties: fewer steps, then the lower
-   rate);
-2. **tests** the selected point on the training sets of ``seeds`` (other seeds than the selection's by
-   default), scoring the fixed test split.
-
-The pool is the training pool of :func:`depthfusion_hf.recipes.ner.load_splits` without the sentences
-whose tokens equal a test sentence (WNUT-16: 29 pool tweets repeat 23 of the 300 test tweets, 11 of
-them with entities), minus the ``dev_size`` dev sentences drawn with ``dev_seed``: the training sets of
-both phases are drawn from what is left, so no training, dev or test sentence is shared.
-
-Every finished run is one JSON file under ``<output_dir>/runs/``; a rerun skips the files it finds
-(resume), and refuses an output folder written with other fixed settings (data, grid, optimisation).
-After each run the report is rewritten: ``selected.json`` (the selected point per size and method, with
-its dev F1), ``results.json`` / ``results.md`` (mean ± std test F1, the paired gain over ``last`` and
-over ``last_ln`` with a 95 % t-interval and the seeds won, and wall time) and ``f1_vs_size.png``.
-``shard="k/n"`` runs every n-th (size, method) cell, so that n processes can share one output folder.
+Every finished run is one JSON file under ``<output_dir>/runs/`` (:class:`RunStore`); a rerun skips the files it finds
+(resume) and refuses an output folder written with other fixed settings. After each run the report is rewritten
+(:func:`write_report`): ``selected.json``, ``results.json`` / ``results.md`` (mean ± std test F1, the paired gains
+over ``last`` and ``last_ln`` with a 95 % t-interval and the seeds won, wall time) and ``f1_vs_size.png``.
 """
 
 from __future__ import annotations
@@ -34,9 +22,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from transformers import AutoTokenizer
-
 from ..data import TrainingSize, build_label_list, count_entities, parse_size
 from ..models.configuration_dwatt import FUSION_METHODS
 from ..plotting import plot_f1_vs_size
@@ -46,10 +31,13 @@ from .ner import (
     drop_test_copies,
     encode,
     encoder_name,
+    f1_row,
+    load_encoder,
     load_splits,
     run_one,
     sample_training_set,
 )
+from .records import table_lines
 from .study.stats import paired_summary
 from .study.store import write_json_atomic, write_text_atomic
 
@@ -337,10 +325,7 @@ def summarise_study(settings: NerStudySettings, records: list[dict]) -> dict:
             tests = [r for r in mine if r["phase"] == "test" and r["seed"] in settings.seeds]
             if not tests:
                 continue
-            f1 = [r["f1"] for r in tests]
-            row = {"size": size.label, "fusion": method, "runs": len(tests),
-                   "train_sentences": statistics.mean(r["train_sentences"] for r in tests),
-                   "f1_mean": statistics.mean(f1), "f1_std": statistics.stdev(f1) if len(f1) > 1 else 0.0,
+            row = f1_row(size.label, method, tests) | {
                    "learning_rate": tests[0]["learning_rate"], "max_steps": tests[0]["max_steps"],
                    "train_seconds_mean": statistics.mean(r["train_seconds"] for r in tests),
                    "train_cpu_seconds_mean": statistics.mean(r["train_cpu_seconds"] for r in tests)
@@ -371,40 +356,34 @@ def _time_cell(row: dict) -> str:
 def study_markdown(settings: NerStudySettings, summary: dict) -> str:
     """results.md: selected settings, test F1 table, paired gains over ``last`` and ``last_ln``, wall time."""
     rows = {(r["size"], r["fusion"]): r for r in summary["summary"]}
-    methods = settings.methods
-    lines = ["Settings selected on the dev split (encoder lr / steps; mean dev F1 over the selection seeds):", "",
-             "| size | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+
+    def per_size(cell, methods=settings.methods) -> list[list[str]]:
+        """One row per size: ``cell(summary row)`` for each method, "–" where the cell has no row."""
+        return [[size.label, *(cell(rows[(size.label, m)]) if (size.label, m) in rows else "–" for m in methods)]
+                for size in settings.sizes]
+
+    header = ["size", *settings.methods]
+    selected = []
     for size in settings.sizes:
         chosen = summary["selected"].get(size.label, {})
-        lines.append(f"| {size.label} | " + " | ".join(
-            f"{chosen[m]['learning_rate']:g} / {chosen[m]['max_steps']} ({chosen[m]['dev_f1_mean']:.1f})"
-            if m in chosen else "–" for m in methods) + " |")
-    lines += ["", "Test entity F1, mean ± std over the test seeds (runs):", "",
-              "| size | train sentences (mean) | " + " | ".join(methods) + " |",
-              "|---|---:|" + "---:|" * len(methods)]
-    for size in settings.sizes:
-        present = [rows[(size.label, m)] for m in methods if (size.label, m) in rows]
-        if not present:
-            continue
-        cells_ = [f"{rows[(size.label, m)]['f1_mean']:.2f} ± {rows[(size.label, m)]['f1_std']:.2f} "
-                  f"({rows[(size.label, m)]['runs']})" if (size.label, m) in rows else "–" for m in methods]
-        lines.append(f"| {size.label} | {present[0]['train_sentences']:.1f} | " + " | ".join(cells_) + " |")
+        selected.append([size.label, *(f"{chosen[m]['learning_rate']:g} / {chosen[m]['max_steps']} "
+                                       f"({chosen[m]['dev_f1_mean']:.1f})" if m in chosen else "–"
+                                       for m in settings.methods)])
+    f1 = per_size(lambda r: f"{r['f1_mean']:.2f} ± {r['f1_std']:.2f} ({r['runs']})")
+    sentences = {r["size"]: r["train_sentences"] for r in reversed(summary["summary"])}  # each size's first row
+    f1 = [[size, f"{sentences[size]:.1f}", *cells] for size, *cells in f1 if size in sentences]
+    lines = ["Settings selected on the dev split (encoder lr / steps; mean dev F1 over the selection seeds):", "",
+             *table_lines(header, selected), "", "Test entity F1, mean ± std over the test seeds (runs):", "",
+             *table_lines(["size", "train sentences (mean)", *settings.methods], f1)]
     for baseline in BASELINES:
-        others = [m for m in methods if m != baseline]
-        if baseline not in methods or not others:
-            continue
-        lines += ["", f"Paired gain in test F1 over `{baseline}` (same seed, same training set): mean "
-                      f"[95 % t-interval] (seeds won / seeds):", "",
-                  "| size | " + " | ".join(others) + " |", "|---|" + "---:|" * len(others)]
-        for size in settings.sizes:
-            lines.append(f"| {size.label} | " + " | ".join(
-                _gain_cell(rows.get((size.label, m), {}).get(f"gain_over_{baseline}")) for m in others) + " |")
+        others = [m for m in settings.methods if m != baseline]
+        if baseline in settings.methods and others:
+            gains = per_size(lambda r: _gain_cell(r[f"gain_over_{baseline}"]), others)  # noqa: B023 - used at once
+            lines += ["", f"Paired gain in test F1 over `{baseline}` (same seed, same training set): mean "
+                          "[95 % t-interval] (seeds won / seeds):", "", *table_lines(["size", *others], gains)]
     lines += ["", "Time: mean training seconds per test run, wall (CPU) / all wall seconds of the cell (selection + "
                   "test, training + scoring); wall well above CPU means the machine was busy:", "",
-              "| size | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
-    for size in settings.sizes:
-        lines.append(f"| {size.label} | " + " | ".join(
-            _time_cell(rows[(size.label, m)]) if (size.label, m) in rows else "–" for m in methods) + " |")
+              *table_lines(header, per_size(_time_cell))]
     return "\n".join(lines) + "\n"
 
 
@@ -434,16 +413,10 @@ def write_report(settings: NerStudySettings, data_description: dict, plot: bool 
 
 
 def run_study(settings: NerStudySettings) -> dict:
-    """Run (or resume) this shard's cells, rewriting the report after every run; return the final summary.
-
-    Sets torch's CPU threads to ``settings.base.num_threads`` when it is positive.
-    """
-    if settings.base.num_threads > 0:
-        torch.set_num_threads(settings.base.num_threads)
+    """Run (or resume) this shard's cells, rewriting the report after every run; return the final summary."""
     check_or_write_study_file(settings)
     data = prepare_data(settings)
-    encoder = settings.base.model_name_or_path or default_encoder()
-    tokenizer = AutoTokenizer.from_pretrained(encoder)
+    encoder, tokenizer = load_encoder(settings.base)
     label2id = {label: i for i, label in enumerate(data.label_list)}
     description = describe(settings, data)
     print(f"data: {data.name}: pool {len(data.pool)} (dropped {data.dropped} test duplicates), dev {len(data.dev)}, "
@@ -462,18 +435,5 @@ def run_study(settings: NerStudySettings) -> dict:
     return summary
 
 
-__all__ = [
-    "NerStudySettings",
-    "RunStore",
-    "StudyData",
-    "cells",
-    "describe",
-    "paired_gain",
-    "parse_shard",
-    "prepare_data",
-    "run_study",
-    "select_point",
-    "study_markdown",
-    "summarise_study",
-    "write_report",
-]
+__all__ = ["NerStudySettings", "RunStore", "StudyData", "cells", "describe", "paired_gain", "parse_shard",
+           "prepare_data", "run_study", "select_point", "study_markdown", "summarise_study", "write_report"]

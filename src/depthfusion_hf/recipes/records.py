@@ -1,24 +1,14 @@
-"""What a causal-LM run records about its data in ``results.json`` (model cards read it; see ``model_card``)."""
+"""What runs record: a causal-LM run's data in ``results.json`` (model cards read it; see ``model_card``), and the
+markdown tables of the recipes' reports."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from ..data.corpus import BUILTIN_CORPUS
-
-BUILTIN_CORPORA = (BUILTIN_CORPUS, "plays")  # the corpora `load_documents` ships (the rest are Hub ids)
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """The SHA-256 of a file's bytes (hex)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+from ..data.corpus import BUILTIN_CORPORA, BUILTIN_CORPUS
+from ..data.textfile import file_sha256
 
 
 def data_record(
@@ -48,4 +38,11 @@ def data_record(
                      "validation_fraction": None if validation_files else validation_fraction}
 
 
-__all__ = ["BUILTIN_CORPORA", "data_record", "file_sha256"]
+def table_lines(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """The lines of a markdown table: ``header``, then one line per row; the first column left-aligned, the others
+    right-aligned (numbers)."""
+    return [f"| {' | '.join(header)} |", "|---|" + "---:|" * (len(header) - 1),
+            *(f"| {' | '.join(map(str, row))} |" for row in rows)]
+
+
+__all__ = ["BUILTIN_CORPORA", "data_record", "file_sha256", "table_lines"]

@@ -3,7 +3,7 @@ and a pre-trained Llama continued as itself and upcycled into each family (``scr
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
@@ -59,29 +59,20 @@ def run_compare_grid(
     Runs go depth by depth, seed by seed, the Llama first, so that an interrupted study has complete pairs.
     """
     ordered = sorted(specs, key=lambda s: not s.is_baseline)
+    grid = [(depth, seed, spec) for depth in layers for seed in seeds for spec in ordered]
     records = []
-    total = len(layers) * len(seeds) * len(ordered)
-    done = 0
-    for depth in layers:
-        for seed in seeds:
-            for spec in ordered:
-                done += 1
-                key, record = store.find(spec.text, layers=depth, seed=seed)
-                if record is not None:
-                    log(f"[{done}/{total}] {key}: stored, skipped")
-                    records.append(record)
-                    continue
-                model, init = build_seeded_pair(spec, arch, depth, seed, data.tokenizer)
-                run_settings = copy.deepcopy(settings)
-                run_settings.seed = seed
-                log(f"[{done}/{total}] {key}: training ({init} init)")
-                outcome = train_recorded(model, data, run_settings, name=spec.text)
-                record = dict(spec=spec.text, name=run_name(model.config), model_type=model.config.model_type,
-                              fields=spec.fields_at(depth), seed=seed, layers=depth, dataset=dataset_label,
-                              init=init, **outcome.as_record())
-                store.put(key, record)
-                log(f"    val loss {outcome.eval_loss:.4f}, {outcome.train_seconds:.0f} s")
-                records.append(record)
+    for done, (depth, seed, spec) in enumerate(grid, start=1):
+        key, record = store.find(spec.text, layers=depth, seed=seed)
+        if record is None:
+            model, init = build_seeded_pair(spec, arch, depth, seed, data.tokenizer)
+            log(f"[{done}/{len(grid)}] {key}: training ({init} init)")
+            outcome = train_recorded(model, data, dataclasses.replace(settings, seed=seed), name=spec.text)
+            record = _store(store, key, spec, model, outcome, fields=spec.fields_at(depth), seed=seed, layers=depth,
+                            dataset=dataset_label, init=init)
+            log(f"    val loss {outcome.eval_loss:.4f}, {outcome.train_seconds:.0f} s")
+        else:
+            log(f"[{done}/{len(grid)}] {key}: stored, skipped")
+        records.append(record)
     return records
 
 
@@ -120,17 +111,21 @@ def run_continuations(
                         raise ValueError(f"{spec.kind} has no Llama upcycling (its registry entry has no from_llama)")
                     model = family.from_llama(llama, **fields)
                     new = new_parameter_names(model, llama.state_dict())
-                run_settings = copy.deepcopy(settings)
-                run_settings.seed = seed
                 log(f"{key}: training ({len(new)} new parameter tensors at {scale:g}x lr)")
-                outcome = train_recorded(model, data, run_settings, name=spec.text, new_names=new,
-                                         new_param_lr_scale=scale, test=data.test is not None)
-                record = dict(spec=spec.text, name=run_name(model.config), model_type=model.config.model_type,
-                              fields=fields, seed=seed, lr_scale=scale, new_parameters=new, **outcome.as_record())
-                store.put(key, record)
+                outcome = train_recorded(model, data, dataclasses.replace(settings, seed=seed), name=spec.text,
+                                         new_names=new, new_param_lr_scale=scale, test=data.test is not None)
+                records.append(_store(store, key, spec, model, outcome, fields=fields, seed=seed, lr_scale=scale,
+                                      new_parameters=new))
                 log(f"    val loss {outcome.eval_loss:.4f}")
-                records.append(record)
     return records
+
+
+def _store(store: RunStore, key: str, spec: ModelSpec, model: PreTrainedModel, outcome, **parts) -> dict:
+    """The record of a finished run (its spec, model names, ``parts`` and the outcome), stored under ``key``."""
+    record = dict(spec=spec.text, name=run_name(model.config), model_type=model.config.model_type, **parts,
+                  **dataclasses.asdict(outcome))
+    store.put(key, record)
+    return record
 
 
 __all__ = ["build_seeded_pair", "run_compare_grid", "run_continuations"]

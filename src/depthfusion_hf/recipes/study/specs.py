@@ -242,16 +242,5 @@ def legacy_spec_texts(text: str) -> list[str]:
     return [f"attnres:block{match[1]}"] if match else []
 
 
-__all__ = [
-    "DEFAULT_MODELS",
-    "SPEC_NAMES",
-    "SPEC_SHORTHANDS",
-    "ModelSpec",
-    "attnres_block_size",
-    "legacy_spec_texts",
-    "parse_model_list",
-    "parse_model_spec",
-    "read_legacy_names",
-    "spec_field_names",
-    "spec_syntax",
-]
+__all__ = ["DEFAULT_MODELS", "SPEC_NAMES", "SPEC_SHORTHANDS", "ModelSpec", "attnres_block_size", "legacy_spec_texts",
+           "parse_model_list", "parse_model_spec", "read_legacy_names", "spec_field_names", "spec_syntax"]

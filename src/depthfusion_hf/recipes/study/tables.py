@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..clm import BASELINE
+from ..records import table_lines
 from .stats import PairedSummary, interpolate_curve, mean_std, paired_summary
 
 
@@ -81,39 +82,34 @@ def compare_tables(records: Sequence[dict], title: str = "", clock: str = "secon
               f"interpolated at the same-seed Llama's training {budget} (evaluation excluded); * marks runs that "
               "finished before that budget (their final loss is used). Train tokens/s and train s: wall-clock; "
               "CPU s: the process's CPU time.", ""]
+    header = ["model", "seeds", "val loss (mean ± std)", "Δ at equal steps", "won", f"Δ at equal {budget}", "won",
+              "params", "train tokens/s", "train s", "CPU s"]
     for depth, rows in compare_summary(records, clock).items():
-        lines += [f"## {depth} layers", "",
-                  f"| model | seeds | val loss (mean ± std) | Δ at equal steps | won | Δ at equal {budget} | won "
-                  "| params | train tokens/s | train s | CPU s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        table = []
         for spec, row in rows.items():
-            mean, std = mean_std(row["losses"])
+            delta = ["—"] * 4
             if "paired" in row:
                 paired, wall = row["paired"], row["wall_paired"]
                 star = "*" if not all(row["wall_reached"]) else ""
-                delta = (f"{_paired(paired)} | {paired.won}/{paired.n} | {_paired(wall)}{star} | "
-                         f"{wall.won}/{wall.n}")
-            else:
-                delta = "— | — | — | —"
-            lines.append(f"| {spec} | {len(row['seeds'])} | {_pm(mean, std)} | {delta} | {row['parameters']:,} "
-                         f"| {row['tokens_per_second']:,.0f} | {row['train_seconds']:.1f} "
-                         f"| {row['train_cpu_seconds']:.1f} |")
-        lines += ["", *mean_curve_table([r for r in records if r["layers"] == depth], list(rows)), ""]
+                delta = [_paired(paired), f"{paired.won}/{paired.n}", _paired(wall) + star, f"{wall.won}/{wall.n}"]
+            table.append([spec, len(row["seeds"]), _pm(*mean_std(row["losses"])), *delta, f"{row['parameters']:,}",
+                          f"{row['tokens_per_second']:,.0f}", f"{row['train_seconds']:.1f}",
+                          f"{row['train_cpu_seconds']:.1f}"])
+        lines += [f"## {depth} layers", "", *table_lines(header, table), "",
+                  *mean_curve_table([r for r in records if r["layers"] == depth], list(rows)), ""]
     return "\n".join(lines)
 
 
 def mean_curve_table(records: Sequence[dict], specs: Sequence[str]) -> list[str]:
     """Markdown lines: validation loss at every evaluated step, mean over each spec's runs in ``records``."""
     steps = sorted({p["step"] for r in records for p in r["curve"]})
-    lines = ["Validation loss along the way (mean over seeds):", "",
-             "| model | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---:|" * len(steps)]
+    table = []
     for spec in specs:
-        cells = []
-        for step in steps:
-            values = [p["eval_loss"] for r in records if r["spec"] == spec for p in r["curve"] if p["step"] == step]
-            cells.append(f"{statistics.fmean(values):.4f}" if values else "")
-        lines.append(f"| {spec} | " + " | ".join(cells) + " |")
-    return lines
+        values = [[p["eval_loss"] for r in records if r["spec"] == spec for p in r["curve"] if p["step"] == step]
+                  for step in steps]
+        table.append([spec, *(f"{statistics.fmean(v):.4f}" if v else "" for v in values)])
+    return ["Validation loss along the way (mean over seeds):", "",
+            *table_lines(["model", *(f"step {s}" for s in steps)], table)]
 
 
 def continuation_summary(records: Sequence[dict]) -> dict[tuple[str, float], dict]:
@@ -153,29 +149,21 @@ def continuation_tables(records: Sequence[dict], title: str = "") -> str:
     lines = [f"# {title}" if title else "# Upcycling: continued pre-training", "",
              "Δ: paired difference to the continued Llama of the same seed (validation split), mean [95 % "
              "t-interval]. The new-parameter lr scale is chosen per model on the validation loss (✓); the test "
-             "loss is reported, never used to choose.", "",
-             "| model | new-param lr scale | seeds | val loss at step 0 | val loss (mean ± std) | Δ val | won "
-             "| test loss (mean ± std) | params |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "loss is reported, never used to choose.", ""]
+    table = []
     for (spec, scale), row in continuation_summary(records).items():
         mark = " ✓" if chosen.get(spec) == scale else ""
         paired = row.get("paired")
-        delta = f"{_paired(paired)} | {paired.won}/{paired.n}" if paired else "— | —"
+        delta = [_paired(paired), f"{paired.won}/{paired.n}"] if paired else ["—", "—"]
         tests = [t for t in row["test"] if t is not None]
-        test = _pm(*mean_std(tests)) if tests else "—"
-        lines.append(f"| {spec} | {scale:g}{mark} | {len(row['seeds'])} | {statistics.fmean(row['start']):.4f} "
-                     f"| {_pm(*mean_std(row['losses']))} | {delta} | {test} | {row['parameters']:,} |")
-    lines.append("")
+        table.append([spec, f"{scale:g}{mark}", len(row["seeds"]), f"{statistics.fmean(row['start']):.4f}",
+                      _pm(*mean_std(row["losses"])), *delta, _pm(*mean_std(tests)) if tests else "—",
+                      f"{row['parameters']:,}"])
+    lines += [*table_lines(["model", "new-param lr scale", "seeds", "val loss at step 0", "val loss (mean ± std)",
+                            "Δ val", "won", "test loss (mean ± std)", "params"], table), ""]
     chosen_runs = [r for r in records if r["lr_scale"] == (1.0 if r["spec"] == BASELINE else chosen[r["spec"]])]
     lines += ["At the chosen lr scales:", "", *mean_curve_table(chosen_runs, model_order(records)), ""]
     return "\n".join(lines)
 
-__all__ = [
-    "best_scales",
-    "compare_summary",
-    "compare_tables",
-    "continuation_summary",
-    "continuation_tables",
-    "mean_curve_table",
-    "model_order",
-]
+__all__ = ["best_scales", "compare_summary", "compare_tables", "continuation_summary", "continuation_tables",
+           "mean_curve_table", "model_order"]

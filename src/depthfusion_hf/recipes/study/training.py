@@ -9,7 +9,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import PreTrainedModel, TrainerCallback
@@ -24,8 +24,8 @@ CLOCKS: dict[str, Callable[[], float]] = {"seconds": time.perf_counter, "cpu_sec
 
 class WallClock(TrainerCallback):
     """Records every evaluation as ``{"step", "seconds", "cpu_seconds", "eval_loss"}``: training time so far by the
-    wall clock and by the process's CPU time, evaluation time excluded from both; at the end, the totals
-    ``train_seconds`` and ``train_cpu_seconds``.
+    wall clock and by the process's CPU time, evaluation time excluded from both; at the end, the totals by each
+    clock (``totals["seconds"]``, ``totals["cpu_seconds"]``).
 
     A second evaluation at a step already recorded (``train_one``'s final ``evaluate``) is not recorded again.
     """
@@ -40,16 +40,6 @@ class WallClock(TrainerCallback):
     @staticmethod
     def _now() -> dict[str, float]:
         return {name: timer() for name, timer in CLOCKS.items()}
-
-    @property
-    def train_seconds(self) -> float:
-        """Wall-clock training seconds (evaluation excluded)."""
-        return self.totals["seconds"]
-
-    @property
-    def train_cpu_seconds(self) -> float:
-        """CPU seconds of training (evaluation excluded)."""
-        return self.totals["cpu_seconds"]
 
     def on_train_begin(self, args, state, control, **kwargs):
         """Start the clocks."""
@@ -91,10 +81,6 @@ class RunOutcome:
     curve: list
     extra: dict = field(default_factory=dict)
 
-    def as_record(self) -> dict:
-        """JSON-ready fields."""
-        return asdict(self)
-
 
 def train_recorded(
     model: PreTrainedModel,
@@ -131,8 +117,8 @@ def train_recorded(
     if test:
         extra["test_loss"] = evaluate_loss(model, data.test, settings)
     return RunOutcome(eval_loss=result.eval_loss, train_loss=result.train_loss, parameters=result.parameters,
-                      train_seconds=clock.train_seconds, train_cpu_seconds=clock.train_cpu_seconds,
-                      tokens_per_second=tokens / max(clock.train_seconds, 1e-9),
+                      train_seconds=clock.totals["seconds"], train_cpu_seconds=clock.totals["cpu_seconds"],
+                      tokens_per_second=tokens / max(clock.totals["seconds"], 1e-9),
                       curve=clock.curve, extra=extra)
 
 
