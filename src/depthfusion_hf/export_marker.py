@@ -16,8 +16,8 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -153,12 +153,6 @@ def folder_identity(folder: Path) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
-def umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_marker(folder: Path, sha256: dict[str, str | frozenset[str]], scratch: Path | None = None) -> None:
     """Write ``folder``'s marker (file -> hash, or possible hashes) atomically, through a temporary file in
     ``scratch`` (same file system; nothing is left in ``folder`` when interrupted) or ``folder``."""
@@ -170,12 +164,11 @@ def write_marker(folder: Path, sha256: dict[str, str | frozenset[str]], scratch:
     hashes = {name: value if isinstance(value, str) else sorted(value) for name, value in sorted(sha256.items())}
     data = {"written_by": WRITER, "version": __version__, "format": FORMAT, "folder": list(folder_identity(folder)),
             "files": list(hashes), "sha256": hashes}
-    handle, temp = tempfile.mkstemp(prefix=".marker-", dir=scratch or folder)
+    temp = (scratch or folder) / f".marker-{secrets.token_hex(6)}"  # open("x"): the umask applies
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
+        with open(temp, "x", encoding="utf-8") as out:
             out.write(json.dumps(data, indent=1) + "\n")
-        os.chmod(temp, 0o666 & ~umask())
         os.replace(temp, folder / MARKER)
     except BaseException:
-        Path(temp).unlink(missing_ok=True)
+        temp.unlink(missing_ok=True)
         raise

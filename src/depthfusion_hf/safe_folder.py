@@ -1,17 +1,8 @@
 """Write a folder the package owns without deleting or replacing anything the package did not write.
 
 Every folder written here (exports, the training script's final models) holds :data:`MARKER`, listing the files
-the package wrote with their SHA-256 hashes. The rules (docs/RELIABILITY.md §1, with the cases testing them):
-
-- a missing or empty target, or a previous export whose listed files are unchanged, is replaced atomically: the
-  new folder is staged beside it (``.<name>.tmp-<pid>-*``) and renamed in; an old export is renamed aside
-  (``.<name>.old-<pid>-*``) and then loses only its listed, unchanged files;
-- anything else (foreign entries, edited files, the working directory, a file, a dangling link) raises
-  :class:`ExportTargetError` naming it; ``overwrite=True`` writes into the folder in place, keeping every foreign
-  entry, replacing edited files the export writes again (:class:`ReplacedEditedFilesWarning` names them), and
-  never a foreign file with an export file's name;
-- a mount point (which no rename may cross) is staged inside and updated in place the same way;
-- the marker is untrusted input (:mod:`depthfusion_hf.export_marker`).
+the package wrote with their SHA-256 hashes (:mod:`depthfusion_hf.export_marker`). The rules are
+:func:`write_folder`'s; docs/RELIABILITY.md §1 lists them with the cases that test them.
 """
 
 from __future__ import annotations
@@ -20,9 +11,9 @@ import contextlib
 import errno
 import os
 import re
+import secrets
 import shutil
 import stat
-import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,12 +28,11 @@ from .export_marker import (
     folder_identity,
     load_marker,
     remove_if_unchanged,
-    umask,
     write_marker,
 )
 
 __all__ = ["MARKER", "ExportTargetError", "MarkerError", "ReplacedEditedFilesWarning", "TargetState", "check_target",
-           "clean_stale_staging", "inspect_target", "load_marker", "write_folder"]
+           "clean_stale_staging", "load_marker", "write_folder"]
 
 
 class ReplacedEditedFilesWarning(UserWarning):
@@ -74,26 +64,28 @@ def _listing(folder: Path, skip: str | None = None) -> list[str]:
     )
 
 
-def inspect_target(folder: str | os.PathLike, ignore: str | None = None) -> TargetState:
-    """Describe the target ``folder`` without changing anything (``ignore``: a top-level entry not to count).
+def check_target(folder: str | os.PathLike, overwrite: bool = False, ignore: str | None = None) -> TargetState:
+    """Describe the target ``folder`` (``ignore``: a top-level entry not to count), raising when an export may not
+    write there; nothing is changed. Call it before long work (training).
 
     Raises:
-        ExportTargetError: ``folder`` is a file or another non-folder, or a dangling symlink.
-        MarkerError: its marker cannot be trusted (see :func:`load_marker`).
+        ExportTargetError: a file or another non-folder, or a dangling symlink; without ``overwrite``, a folder
+            holding entries this package did not write, files it wrote that were changed since, or the current
+            working directory. MarkerError: an untrusted marker (even with ``overwrite``).
     """
     given = Path(folder)
     if given.is_symlink() and not given.exists():
         raise ExportTargetError(f"export target {given} is a symlink to nothing ({os.readlink(given)})")
     path = given.resolve()
-    try:
-        cwd = Path.cwd().resolve()
-    except OSError:  # the working directory was deleted: it is in no target
-        cwd = path.parent
     if path.exists() and not path.is_dir():
         raise ExportTargetError(f"export target {path} is a file, not a folder; the export never replaces it "
                                 "(choose another folder)")
     if not path.exists():
         return TargetState(path, False)
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:  # the working directory was deleted: it is in no target
+        cwd = path.parent
     marker = load_marker(path)
     listed = {MARKER, *marker.files} if marker is not None else set()
     names = [name for name in _listing(path) if not name.startswith(f"{ignore}/")]
@@ -104,40 +96,24 @@ def inspect_target(folder: str | os.PathLike, ignore: str | None = None) -> Targ
             foreign.add(entry.name + ("/" if entry.is_dir() and not entry.is_symlink() else ""))
     present = [name for name in names if name in listed and name != MARKER]
     ours = frozenset(name for name in present if file_sha256(path, name) in marker.sha256[name])
-    edited = tuple(name for name in present if name not in ours)
-    return TargetState(path, True, ours, tuple(sorted(foreign)), cwd == path or path in cwd.parents, edited, marker)
-
-
-def _shown(names: tuple[str, ...]) -> str:
-    return ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
-
-
-def check_target(folder: str | os.PathLike, overwrite: bool = False, ignore: str | None = None) -> TargetState:
-    """:func:`inspect_target`, raising when an export may not write there; call it before long work (training).
-
-    Raises:
-        ExportTargetError: a file or dangling symlink; without ``overwrite``, a folder holding entries this
-            package did not write, files it wrote that were changed since, or the current working directory.
-        MarkerError: an untrusted marker (even with ``overwrite``).
-    """
-    state = inspect_target(folder, ignore)
+    state = TargetState(path, True, ours, tuple(sorted(foreign)), cwd == path or path in cwd.parents,
+                        tuple(name for name in present if name not in ours), marker)
     reasons = []
-    if state.foreign and not overwrite:
+    if state.foreign:
         what = "holds entries this package did not write" if state.marker is not None else \
             f"is not an export of this package (no {MARKER}) and is not empty"
-        reasons.append(f"{what}: {_shown(state.foreign)}")
-    if state.edited and not overwrite:
+        reasons.append(f"{what}: {', '.join(state.foreign)}")
+    if state.edited:
         reasons.append(f"holds files an earlier export wrote that were changed since (edited by you?): "
-                       f"{_shown(state.edited)}")
-    if reasons:
+                       f"{', '.join(state.edited)}")
+    if state.holds_cwd:
+        reasons.append("is the current working directory (or contains it)")
+    if reasons and not overwrite:
         raise ExportTargetError(
             f"export target {state.path} {'; and it '.join(reasons)}. Nothing was written. Choose another folder, "
-            "move those entries away yourself, or pass overwrite=True (--overwrite): entries this package did not "
-            "write are kept, and changed files the export writes again are replaced (a warning names them).")
-    if state.holds_cwd and not overwrite:
-        raise ExportTargetError(
-            f"export target {state.path} is the current working directory (or contains it); nothing was written. "
-            "Choose another folder or pass overwrite=True (--overwrite) to write the export into it in place.")
+            "move those entries away yourself, or pass overwrite=True (--overwrite): the export is written in place, "
+            "entries this package did not write are kept, and changed files the export writes again are replaced "
+            "(a warning names them).")
     return state
 
 
@@ -202,8 +178,8 @@ def _remove_listed(folder: Path, marker: Marker) -> bool:
 
 def _new_staging(target: Path, pid: int | None = None, inside: bool = False) -> Path:
     """A staging folder ``.<name>.tmp-<pid>-*`` beside ``target`` (in it when ``inside``), marked from the start."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{pid or os.getpid()}-",
-                                    dir=target if inside else target.parent))
+    staging = (target if inside else target.parent) / f".{target.name}.tmp-{pid or os.getpid()}-{secrets.token_hex(6)}"
+    staging.mkdir()  # the umask applies (mkdtemp would make it 0700)
     try:
         write_marker(staging, {})
     except BaseException:
@@ -264,7 +240,6 @@ def _write(target: Path, write: Callable[[Path], None], overwrite: bool, check: 
         if links:
             raise ValueError(f"the export wrote {', '.join(links)}, which is a symlink or not a regular file; an "
                              "export holds regular files only")
-        os.chmod(staging, 0o777 & ~umask())  # mkdtemp makes 0700
         problems = check(staging) if check is not None else []
         if problems:
             raise ValueError(f"the export of {target.name} is incomplete: " + "; ".join(problems))
@@ -284,8 +259,7 @@ def _swap_in(staging: Path, target: Path, state: TargetState) -> None:
     if not state.exists or not any(target.iterdir()):
         os.replace(staging, target)  # onto nothing or an empty folder (fails if someone fills it meanwhile)
         return
-    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
-    os.rmdir(backup)  # a fresh unique name for the rename below
+    backup = target.parent / f".{target.name}.old-{os.getpid()}-{secrets.token_hex(6)}"
     os.replace(target, backup)
     try:
         os.replace(staging, target)
