@@ -180,12 +180,10 @@ def build_model_card(model: PreTrainedModel, repo_id: str, results: Sequence[Map
     if not trained or local_files:  # `datasets` metadata names Hub datasets; local files have none
         card.data.datasets = None
     card.data.model_name = repo_id.rstrip("/").split("/")[-1] if results else None
-    card.data.eval_results = [
-        EvalResult(task_type=entry["task_type"], task_name=entry.get("task_name"), dataset_type=entry["dataset_type"],
-                   dataset_name=entry["dataset_name"], dataset_config=entry.get("dataset_config"),
-                   dataset_split=entry.get("dataset_split"), metric_type=entry["metric_type"],
-                   metric_name=entry.get("metric_name"), metric_value=entry["value"])
-        for entry in results or ()] or None
+    fields = ("task_type", "task_name", "dataset_type", "dataset_name", "dataset_config", "dataset_split",
+              "metric_type", "metric_name")
+    card.data.eval_results = [EvalResult(**{field: entry.get(field) for field in fields}, metric_value=entry["value"])
+                              for entry in results or ()] or None
     return str(card)
 
 

@@ -28,25 +28,21 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model
 
 
 def register_for_remote_code(model: PreTrainedModel) -> None:
-    """Mark the model's config and class for ``auto_map`` so ``save_pretrained`` copies the code files.
+    """Mark the model's config and class for ``auto_map`` so ``save_pretrained`` copies the code files, and map
+    ``AutoModel`` to the family's base model (transformers' ``custom_object_save`` adds to an existing map).
 
     Raises:
         ValueError: if the model is not one of this package's families.
     """
     family = get_family(model.config.model_type)
+    base = family.base_model_class
     type(model.config).register_for_auto_class()
-    is_base = family.base_model_class is not None and type(model).__name__ == family.base_model_class.__name__
+    is_base = base is not None and type(model).__name__ == base.__name__  # a class loaded from a folder is another
     type(model).register_for_auto_class("AutoModel" if is_base else family.task_auto_class.__name__)
-
-
-def add_base_model_entry(folder: Path, model: PreTrainedModel) -> None:
-    """Also map ``AutoModel`` to the family's base model in the saved config's ``auto_map``."""
-    base = get_family(model.config.model_type).base_model_class
-    config = json.loads((folder / "config.json").read_text())
-    auto_map = config.setdefault("auto_map", {})
-    if base is not None and "AutoModel" not in auto_map:
-        auto_map["AutoModel"] = f"{type(model).__module__.rsplit('.', 1)[-1]}.{base.__name__}"
-        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if base is not None:
+        module = type(model).__module__.rsplit(".", 1)[-1]
+        model.config.auto_map = {"AutoModel": f"{module}.{base.__name__}"} | (getattr(model.config, "auto_map", None)
+                                                                            or {})
 
 
 def save_model_folder(model: PreTrainedModel, folder: str | os.PathLike, tokenizer: Any = None,
@@ -71,8 +67,6 @@ def save_model_folder(model: PreTrainedModel, folder: str | os.PathLike, tokeniz
 
     def write(staging: Path) -> None:
         model.save_pretrained(staging, safe_serialization=True)
-        if remote:
-            add_base_model_entry(staging, model)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         if model_card is not None:
@@ -98,12 +92,9 @@ def save_remote_code_folder(model: PreTrainedModel, folder: str | os.PathLike, t
 
 def _read_json(path: Path) -> tuple[dict | None, str | None]:
     """The JSON object in ``path``; otherwise ``None`` and the problem, naming the file."""
-    if path.is_symlink() and not path.exists():
-        return None, f"{path.name} is a symlink to nothing ({os.readlink(path)})"
-    if path.is_dir():
-        return None, f"{path.name} is a folder, not a file"
     if not path.is_file():  # a pipe would block the read
-        return None, f"{path.name} is not a regular file (a pipe, socket or device)"
+        return None, f"{path.name} is " + ("a folder, not a file" if path.is_dir() else "a symlink to nothing" if
+                                           path.is_symlink() else "not a regular file (a pipe, socket or device)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as error:
@@ -204,5 +195,5 @@ def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, mode
     return problems
 
 
-__all__ = ["TOKENIZER_FILES", "add_base_model_entry", "check_export_folder", "register_for_remote_code",
+__all__ = ["TOKENIZER_FILES", "check_export_folder", "register_for_remote_code",
            "save_model_folder", "save_remote_code_folder"]
