@@ -45,24 +45,24 @@ def register_for_remote_code(model: PreTrainedModel) -> None:
                                                                             or {})
 
 
-def save_model_folder(model: PreTrainedModel, folder: str | os.PathLike, tokenizer: Any = None,
-                      overwrite: bool = False, model_card: str | None = None, check: bool = False) -> Path:
-    """Save a model folder (safetensors, tokenizer, card) by :func:`~depthfusion_hf.safe_folder.write_folder`'s
-    rules: a registered family as a remote-code folder, another model (the Llama baseline) plainly.
+def save_remote_code_folder(model: PreTrainedModel, folder: str | os.PathLike, tokenizer: Any = None,
+                            model_card: str | None = None, check: bool = False, overwrite: bool = False) -> Path:
+    """Save a model folder by :func:`~depthfusion_hf.safe_folder.write_folder`'s rules: a registered family
+    (DenseFormer, MoDA, DWAtt, ...) with its code files and ``auto_map``, another model (the Llama baseline) as
+    transformers saves it; safetensors weights either way.
 
     Args:
         model: the model; folder: the target (missing, empty, or a previous export of this package).
         tokenizer: optional tokenizer saved alongside; model_card: optional ``README.md`` text.
-        overwrite: write into a folder that holds entries this package did not write (they are kept).
         check: run :func:`check_export_folder` on the new folder before it replaces the target.
+        overwrite: write into a folder that holds entries this package did not write (they are kept).
     Returns:
         The folder's resolved path.
     Raises:
         ExportTargetError: the target holds what the package did not write (named in the message).
         ValueError: with ``check=True``, the new folder is incomplete (the target is left as it was).
     """
-    remote = model.config.model_type in FAMILIES
-    if remote:
+    if model.config.model_type in FAMILIES:
         register_for_remote_code(model)
 
     def write(staging: Path) -> None:
@@ -78,16 +78,7 @@ def save_model_folder(model: PreTrainedModel, folder: str | os.PathLike, tokeniz
     return write_folder(folder, write, overwrite=overwrite, check=problems if check else None)
 
 
-def save_remote_code_folder(model: PreTrainedModel, folder: str | os.PathLike, tokenizer: Any = None,
-                            model_card: str | None = None, check: bool = False, overwrite: bool = False) -> Path:
-    """:func:`save_model_folder` for a model of a registered family (DenseFormer, MoDA, DWAtt, ...): config with
-    ``auto_map``, code files, safetensors weights.
-
-    Raises:
-        ValueError: the model is not of a registered family; see also :func:`save_model_folder`.
-    """
-    get_family(model.config.model_type)
-    return save_model_folder(model, folder, tokenizer, overwrite, model_card, check)
+save_model_folder = save_remote_code_folder  # the training script's name: any model, the baseline included
 
 
 def _read_json(path: Path) -> tuple[dict | None, str | None]:
