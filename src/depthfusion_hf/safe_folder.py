@@ -167,7 +167,7 @@ def _remove_listed(folder: Path, marker: Marker) -> bool:
         for relative in marker.files:
             remove_if_unchanged(folder, relative, marker.sha256[relative])
         (folder / MARKER).unlink(missing_ok=True)
-    for root, _, _ in sorted(os.walk(folder, topdown=False), key=lambda item: -len(item[0])):
+    for root, _, _ in os.walk(folder, topdown=False):  # sub-folders before their parents
         with contextlib.suppress(OSError):  # not empty: the user's (or a changed) file is inside; kept
             os.rmdir(root)
     if os.path.lexists(folder):
