@@ -64,9 +64,9 @@ def export_model(model: PreTrainedModel, folder: str | os.PathLike, tokenizer: A
         ValueError: a malformed ``repo_id`` (before anything is written), or the written folder is incomplete
             (the old folder, if any, is left in place). ExportTargetError: see :func:`save_remote_code_folder`.
     """
-    card = build_model_card(model, validate_repo_id(repo_id) if repo_id is not None else
-                            f"<user>/{Path(folder).resolve().name}", results=results, template_dir=template_dir,
-                            dataset=dataset, trained=trained)
+    repo_id = validate_repo_id(repo_id) if repo_id is not None else f"<user>/{Path(folder).resolve().name}"
+    card = build_model_card(model, repo_id, results=results, template_dir=template_dir, dataset=dataset,
+                            trained=trained)
     return save_remote_code_folder(model, folder, tokenizer, model_card=card, check=True, overwrite=overwrite)
 
 

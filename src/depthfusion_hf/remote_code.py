@@ -114,9 +114,11 @@ def _code_problems(folder: Path, auto_map: dict) -> list[str]:
         if path.name in seen:
             continue
         seen.add(path.name)
+        if not path.is_file():  # missing, or no regular file (a read of a pipe would block)
+            problems.append(f"code file {path.name} is missing")
+            continue
         try:
-            pending += get_relative_imports(path) if path.is_file() else []  # a pipe would block the read
-            problems += [] if path.is_file() else [f"code file {path.name} is missing"]
+            pending += get_relative_imports(path)
         except UnicodeDecodeError:
             problems.append(f"code file {path.name} is not valid UTF-8")
         except OSError as error:
