@@ -4,18 +4,19 @@
     export_model(model, folder, tokenizer, repo_id=...)   # the same + model card, then checked
     push_folder_to_hub(folder, repo_id, token=...)        # create the repo, upload the folder
 
-Folders are written by :mod:`depthfusion_hf.remote_code` (data-safe through :mod:`depthfusion_hf.safe_folder`),
-cards by :mod:`depthfusion_hf.model_card`; ``scripts/push_to_hub.py`` is the command-line front end.
+``scripts/push_to_hub.py`` is the command-line front end.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
+from huggingface_hub.utils import HFValidationError
+from huggingface_hub.utils import validate_repo_id as hub_repo_id_rules
 from transformers import PreTrainedModel
 
 from .model_card import build_model_card, clm_results, default_model_cards_dir, model_card_values
@@ -28,121 +29,81 @@ from .remote_code import (
 )
 from .safe_folder import MARKER, ExportTargetError, MarkerError, ReplacedEditedFilesWarning, check_target, load_marker
 
-_REPO_ID = re.compile(r"[\w.\-]+/[\w.\-]+")
 MARKER_PATTERNS = [MARKER, f"*/{MARKER}"]  # the marker at the top and in any sub-folder (`*` crosses '/')
 
 
 def validate_repo_id(repo_id: str | None) -> str:
-    """Return ``repo_id`` when it has the Hub's ``"user/name"`` form and passes the Hub's own name rules.
+    """Return ``repo_id`` when it is ``"user/name"`` and passes the Hub's own name rules (its last part also names
+    the default export folder: ``"me/.."`` must not pass).
 
     Raises:
-        ValueError: naming the id when it does not (e.g. ``"me/.."``, ``"me/a--b"``: the last part also names the
-            default export folder).
+        ValueError: naming the id and the rule it breaks.
     """
-    if not isinstance(repo_id, str) or not _REPO_ID.fullmatch(repo_id):
-        raise ValueError(f"repo_id must look like 'user/name' (letters, digits, '_', '-', '.'); got {repo_id!r}")
-    from huggingface_hub.utils import HFValidationError
-    from huggingface_hub.utils import validate_repo_id as hub_rules
-
     try:
-        hub_rules(repo_id)
+        if not isinstance(repo_id, str) or repo_id.count("/") != 1:
+            raise HFValidationError("it needs exactly one '/'")
+        hub_repo_id_rules(repo_id)
     except HFValidationError as error:
-        raise ValueError(f"repo_id {repo_id!r} is not a valid Hub id: {error}") from error
+        raise ValueError(f"repo_id must look like 'user/name' (letters, digits, '_', '-', '.') and be a valid Hub id; "
+                         f"got {repo_id!r}: {error}") from error
     return repo_id
 
 
-def export_model(
-    model: PreTrainedModel,
-    folder: str | os.PathLike,
-    tokenizer: Any = None,
-    repo_id: str | None = None,
-    results: Sequence[Mapping[str, Any]] | None = None,
-    template_dir: str | os.PathLike | None = None,
-    dataset: str | None = None,
-    trained: bool = True,
-    overwrite: bool = False,
-) -> Path:
-    """Write a complete Hub-ready folder atomically: config with ``auto_map``, code, safetensors, tokenizer,
-    generation config (causal LMs) and a model card; then check it (:func:`check_export_folder`).
-
-    The target rules are :func:`~depthfusion_hf.remote_code.save_remote_code_folder`'s: a missing or empty
-    folder or a previous export of this package is replaced; anything else raises ``ExportTargetError``
-    unless ``overwrite=True``, which keeps every entry the package did not write.
+def export_model(model: PreTrainedModel, folder: str | os.PathLike, tokenizer: Any = None, repo_id: str | None = None,
+                 results: Sequence[Mapping[str, Any]] | None = None, template_dir: str | os.PathLike | None = None,
+                 dataset: str | None = None, trained: bool = True, overwrite: bool = False) -> Path:
+    """Write a complete, checked Hub-ready folder (:func:`save_remote_code_folder`'s rules) with a model card.
 
     Args:
-        model: a model of a registered family.
-        folder: the target.
-        tokenizer: saved with the model (the pipelines need it).
+        model, folder, tokenizer, overwrite: see :func:`save_remote_code_folder`.
         repo_id: the Hub id named in the card (default: ``"<user>/<folder name>"``); validated first.
         results, template_dir, dataset, trained: see :func:`~depthfusion_hf.model_card.build_model_card`.
-        overwrite: write into a folder that holds entries this package did not write (they are kept).
     Returns:
         The folder's resolved path.
     Raises:
         ValueError: a malformed ``repo_id`` (before anything is written), or the written folder is incomplete
-            (the old folder, if any, is left in place).
-        ExportTargetError: the target holds what the package did not write.
+            (the old folder, if any, is left in place). ExportTargetError: see :func:`save_remote_code_folder`.
     """
-    if repo_id is not None:
-        validate_repo_id(repo_id)
-    target = Path(folder).resolve()
-    card = build_model_card(model, repo_id or f"<user>/{target.name}", results=results,
-                            template_dir=template_dir, dataset=dataset, trained=trained)
-    return save_remote_code_folder(model, folder, tokenizer=tokenizer, model_card=card, check=True,
-                                   overwrite=overwrite)
+    repo_id = validate_repo_id(repo_id) if repo_id is not None else f"<user>/{Path(folder).resolve().name}"
+    card = build_model_card(model, repo_id, results=results, template_dir=template_dir, dataset=dataset,
+                            trained=trained)
+    return save_remote_code_folder(model, folder, tokenizer, model_card=card, check=True, overwrite=overwrite)
 
 
 def upload_problems(folder: Path) -> list[str]:
-    """Why ``folder`` may not be uploaded as it is: a symlink that leads out of it (its target's content would be
-    uploaded under the link's name), a pipe, socket or device; an untrusted marker raises.
+    """Why ``folder`` may not be uploaded as it is: a symlink leading out of it (its target's content would be
+    uploaded under the link's name), a pipe, socket or device.
 
     Raises:
-        MarkerError: the folder's marker claims to be this package's but lists a path outside the folder.
+        MarkerError: the folder's marker cannot be trusted (the rules of an export).
     """
-    load_marker(folder)  # the same trust rules as an export: a marker that lists outside paths is refused
-    root = folder.resolve()
-    problems = []
-    for current, dirs, names in os.walk(folder):
-        for name in sorted(names + dirs):
-            path = Path(current) / name
-            relative = path.relative_to(folder).as_posix()
-            if path.is_symlink():
-                target = path.resolve()
-                if target != root and root not in target.parents:
-                    problems.append(f"{relative} is a symlink to {os.readlink(path)}, outside the folder (its content "
-                                    "would be uploaded); replace it with the file itself")
-            elif not (path.is_file() or path.is_dir()):
-                problems.append(f"{relative} is not a regular file (a pipe, socket or device)")
+    load_marker(folder)
+    root, problems = folder.resolve(), []
+    for path in sorted(folder.rglob("*")):  # links to folders are listed, not followed
+        relative = path.relative_to(folder).as_posix()
+        if path.is_symlink() and root != path.resolve() and root not in path.resolve().parents:
+            problems.append(f"{relative} is a symlink to {os.readlink(path)}, outside the folder (its content "
+                            "would be uploaded); replace it with the file itself")
+        elif not path.is_symlink() and not (path.is_file() or path.is_dir()):
+            problems.append(f"{relative} is not a regular file (a pipe, socket or device)")
     return problems
 
 
-def push_folder_to_hub(
-    folder: str | os.PathLike,
-    repo_id: str,
-    token: str | None = None,
-    private: bool = False,
-    commit_message: str = "Upload depthfusion-hf model",
-    api: Any = None,
-) -> str:
-    """Create the model repo ``repo_id`` (if needed) and upload ``folder`` to it in one commit.
+def push_folder_to_hub(folder: str | os.PathLike, repo_id: str, token: str | None = None, private: bool = False,
+                       commit_message: str = "Upload depthfusion-hf model", api: Any = None) -> str:
+    """Create the model repo ``repo_id`` (if needed) and upload ``folder`` in one commit, without the marker.
 
-    The export marker (``.depthfusion-export.json``, local bookkeeping, at any depth) is never uploaded. The
-    folder is checked before any Hub call: it must pass :func:`check_export_folder`, its marker (if any) must be
-    trustworthy (the rules of :mod:`depthfusion_hf.safe_folder`), and it may hold no symlink leading out of it
-    and no pipe, socket or device (:func:`upload_problems`).
+    Before any Hub call the folder must pass :func:`check_export_folder` and :func:`upload_problems`.
 
     Args:
-        folder: an export folder; it must pass :func:`check_export_folder`.
-        repo_id: ``"user/name"`` on the Hub.
+        folder: an export folder. repo_id: ``"user/name"`` on the Hub.
         token: a Hub token (``None``: the cached login / ``HF_TOKEN``).
         private: create the repo as private (an existing repo keeps its visibility).
-        commit_message: the upload commit's message.
-        api: an ``huggingface_hub.HfApi`` to use (default: a new one with ``token``).
+        commit_message: the upload commit's message. api: the ``HfApi`` to use (default: a new one).
     Returns:
-        The commit URL (or the ``CommitInfo``'s string form).
+        The commit URL.
     Raises:
-        ValueError: if ``folder`` is not a folder, is incomplete or holds what may not be uploaded, or ``repo_id``
-            is not ``"user/name"``.
+        ValueError: ``folder`` is no folder, is incomplete or holds what may not be uploaded, or a bad ``repo_id``.
         MarkerError: an untrusted marker.
     """
     folder = Path(folder)
@@ -152,10 +113,7 @@ def push_folder_to_hub(
     problems = check_export_folder(folder) + upload_problems(folder)
     if problems:
         raise ValueError(f"{folder} is not a complete export that can be uploaded: " + "; ".join(problems))
-    if api is None:
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
+    api = api or huggingface_hub.HfApi(token=token)  # looked up now: tests replace it
     api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
     info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message,
                              token=token, repo_type="model", ignore_patterns=MARKER_PATTERNS)

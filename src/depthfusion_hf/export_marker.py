@@ -1,23 +1,23 @@
-"""The export marker: the list of files a folder written by :mod:`depthfusion_hf.safe_folder` holds, how it is
-trusted, and the file access that never follows a symlink.
+"""The export marker: which files a folder written by :mod:`depthfusion_hf.safe_folder` holds, and the file
+access that never follows a symlink.
 
     {"written_by": "depthfusion-hf", "version": "0.1.0", "format": 2, "folder": [2049, 1234567],
      "files": ["config.json", ...], "sha256": {"config.json": "9f86d0...", ...}}
 
-A marker is **untrusted input** (a folder may come from a tarball, a shared drive, a copy): :func:`load_marker`
-refuses, naming the marker and the entry, one that lists anything but plain relative names inside the folder or
-has malformed hashes or folder identity. Files are read, hashed and deleted only through components opened with
-``O_NOFOLLOW``, so a symlink anywhere on the way makes a file "not the package's".
+A marker is **untrusted input** (a folder may come from a tarball, a shared drive, a copy). Files are read,
+hashed and deleted only through components opened with ``O_NOFOLLOW``: a symlink anywhere on the way makes a
+file "not the package's".
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import secrets
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -25,7 +25,7 @@ from typing import BinaryIO
 MARKER = ".depthfusion-export.json"
 WRITER = "depthfusion-hf"
 FORMAT = 2
-_NO_FOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO never blocks
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class ExportTargetError(FileExistsError):
@@ -38,22 +38,21 @@ class MarkerError(ExportTargetError):
 
 @dataclass(frozen=True)
 class Marker:
-    """A validated marker: the files the package wrote, their possible hashes (one, or the old and the new one
-    during an in-place update) and the ``(st_dev, st_ino)`` of the folder it was written in."""
+    """A validated marker: the listed files, their possible hashes (the old and the new one during an in-place
+    update) and the ``(st_dev, st_ino)`` of the folder it was written in."""
 
     files: tuple[str, ...]
     sha256: dict[str, frozenset[str]]
     folder: tuple[int, int]
 
 
-
 def sha256_hex(handle: BinaryIO) -> str:
-    """The hex sha256 of an open binary file from its position, read in 1 MiB chunks (``hashlib.file_digest`` needs
-    Python 3.11; the package supports 3.10)."""
+    """The hex sha256 of an open binary file from its position (``hashlib.file_digest`` needs Python 3.11)."""
     digest = hashlib.sha256()
     for chunk in iter(lambda: handle.read(1 << 20), b""):
         digest.update(chunk)
     return digest.hexdigest()
+
 
 def _entry_problem(name: object) -> str | None:
     """Why ``name`` cannot be a marker entry (``None`` when it is a plain relative path inside the folder)."""
@@ -61,68 +60,46 @@ def _entry_problem(name: object) -> str | None:
         return f"is a {type(name).__name__}, not a file name"
     if not name or re.search(r"[\x00-\x1f\x7f\\]", name) or re.match(r"/|[A-Za-z]:", name):
         return "is empty, absolute, or holds a backslash or a control character"
-    parts = name.split("/")
-    if any(part in ("", ".", "..") for part in parts):
+    if any(part in ("", ".", "..") for part in name.split("/")):
         return "has an empty, '.' or '..' component (it must name a file inside the folder)"
-    return "names the marker itself" if parts[-1] == MARKER else None
+    return "names the marker itself" if name.split("/")[-1] == MARKER else None
 
 
-def _open_no_follow(folder: Path, relative: str) -> tuple[int, int] | None:
-    """``(parent fd, file fd)`` of the regular file ``relative`` in ``folder``, every component opened without
-    following a symlink; ``None`` when one is missing, a link, not a folder, or the file is no regular file."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+@contextlib.contextmanager
+def _no_follow(folder: Path, relative: str):
+    """Yield ``(parent folder fd, binary file)`` for the regular file ``relative`` in ``folder``, every component
+    opened without following a symlink (and non-blocking: a FIFO never hangs); ``(None, None)`` when one is
+    missing, a link or no folder, or the file is no regular file."""
     *folders, name = relative.split("/")
-    try:
-        parent = os.open(folder, flags)
-    except OSError:
-        return None
-    try:
-        for part in folders:
-            child = os.open(part, flags, dir_fd=parent)
-            os.close(parent)
-            parent = child
-        fd = os.open(name, _NO_FOLLOW, dir_fd=parent)
-    except OSError:
-        os.close(parent)
-        return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        os.close(parent)
-        return None
-    return parent, fd
+    with contextlib.ExitStack() as stack:
+        parent, handle = None, None
+        with contextlib.suppress(OSError):
+            for index, part in enumerate([os.fspath(folder), *folders]):
+                parent = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC,
+                                 dir_fd=None if index == 0 else parent)
+                stack.callback(os.close, parent)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, dir_fd=parent)
+            handle = stack.enter_context(os.fdopen(fd, "rb"))
+        regular = handle is not None and stat.S_ISREG(os.fstat(handle.fileno()).st_mode)
+        yield (parent, handle) if regular else (None, None)
 
 
 def file_sha256(folder: Path, relative: str) -> str | None:
     """The SHA-256 of the regular file ``relative`` in ``folder``; ``None`` when it is missing, a link or behind
     one, not a regular file, or unreadable."""
-    opened = _open_no_follow(folder, relative)
-    if opened is None:
-        return None
-    os.close(opened[0])
-    with os.fdopen(opened[1], "rb") as handle:
-        try:
-            return sha256_hex(handle)
-        except OSError:
-            return None
+    with _no_follow(folder, relative) as (_, handle), contextlib.suppress(OSError):
+        return sha256_hex(handle) if handle is not None else None
+    return None
 
 
 def remove_if_unchanged(folder: Path, relative: str, hashes: frozenset[str]) -> bool:
-    """Delete ``relative`` in ``folder`` when it is a regular file, reached without a symlink, whose content has
-    one of ``hashes``; True when it was deleted."""
-    opened = _open_no_follow(folder, relative)
-    if opened is None:
-        return False
-    parent, fd = opened
-    try:
-        with os.fdopen(fd, "rb") as handle:
-            if sha256_hex(handle) not in hashes:
-                return False
-        os.unlink(relative.rsplit("/", 1)[-1], dir_fd=parent)
+    """Delete the regular file ``relative`` in ``folder``, reached without a symlink, when its content has one of
+    ``hashes``; True when it was deleted."""
+    with _no_follow(folder, relative) as (parent, handle):
+        if handle is None or sha256_hex(handle) not in hashes:
+            return False
+        os.unlink(relative.split("/")[-1], dir_fd=parent)
         return True
-    except FileNotFoundError:
-        return False
-    finally:
-        os.close(parent)
 
 
 def _invalid(path: Path, what: str) -> MarkerError:
@@ -132,26 +109,22 @@ def _invalid(path: Path, what: str) -> MarkerError:
 
 def load_marker(folder: Path) -> Marker | None:
     """The validated marker of ``folder``; ``None`` when there is no regular file of that name (a link is not
-    followed) or it is not this package's JSON of this format (a foreign file with the name, or a development
-    version's marker without hashes: treated as foreign, so nothing it lists is ever deleted).
+    followed), it is not this package's JSON, or a development marker without hashes (format 1: it cannot tell
+    the package's files from edited ones, so the folder counts as foreign).
 
     Raises:
-        MarkerError: a marker of this package that lists anything but plain relative names inside the folder,
-            or has malformed hashes, folder identity or format; the message names the marker and the entry.
+        MarkerError: this package's marker listing anything but plain relative names inside the folder, or with
+            malformed hashes, folder identity or a newer format; the message names the marker and the entry.
     """
     path = folder / MARKER
-    opened = _open_no_follow(folder, MARKER)
-    if opened is None:
-        return None
-    os.close(opened[0])
-    try:
-        with os.fdopen(opened[1], "rb") as handle:
-            data = json.loads(handle.read(16 << 20).decode("utf-8"))
-    except (OSError, ValueError):  # unreadable, no UTF-8 (UnicodeDecodeError is a ValueError) or no JSON
-        return None
+    with _no_follow(folder, MARKER) as (_, handle):
+        try:
+            data = json.loads(handle.read(16 << 20).decode("utf-8")) if handle is not None else None
+        except (OSError, ValueError):  # unreadable, no UTF-8 or no JSON: a foreign file of that name
+            return None
     if not isinstance(data, dict) or data.get("written_by") != WRITER:
         return None
-    version, files = data.get("format"), data.get("files")
+    version, files, hashes, identity = (data.get(key) for key in ("format", "files", "sha256", "folder"))
     if version not in (None, FORMAT):
         raise MarkerError(f"{path} has marker format {version!r}, written by a newer depthfusion-hf than this one "
                           f"(format {FORMAT}); nothing was deleted or written. Upgrade the package.")
@@ -162,16 +135,14 @@ def load_marker(folder: Path) -> Marker | None:
             raise _invalid(path, f"entry {entry!r} {_entry_problem(entry)}")
     if len(set(files)) != len(files):
         raise _invalid(path, "an entry is listed twice")
-    if version is None:  # format 1, before content hashes: it cannot tell the package's files from edited ones
+    if version is None:
         return None
-    hashes, identity = data.get("sha256"), data.get("folder")
     if not isinstance(hashes, dict) or set(hashes) != set(files):
         raise _invalid(path, "'sha256' must map every listed file, and only those, to its content hash")
-    sha256 = {name: value if isinstance(value, list) else [value] for name, value in hashes.items()}
+    sha256 = {name: frozenset(value if isinstance(value, list) else [value]) for name, value in hashes.items()}
     for name, values in sha256.items():
         if not values or not all(isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) for v in values):
             raise _invalid(path, f"the hash of entry {name!r} is not a SHA-256 hex digest: {hashes[name]!r:.80}")
-        sha256[name] = frozenset(values)
     if not (isinstance(identity, list) and len(identity) == 2 and all(type(i) is int for i in identity)):
         raise _invalid(path, f"'folder' must be [device, inode]; got {identity!r:.80}")
     return Marker(tuple(files), sha256, (identity[0], identity[1]))
@@ -182,30 +153,22 @@ def folder_identity(folder: Path) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
-def umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_marker(folder: Path, sha256: dict[str, frozenset[str] | str], scratch: Path | None = None) -> None:
-    """Write ``folder``'s marker (every file -> its hash or possible hashes) atomically, through a temporary file
-    in ``scratch`` (same file system) or ``folder``."""
+def write_marker(folder: Path, sha256: dict[str, str | frozenset[str]], scratch: Path | None = None) -> None:
+    """Write ``folder``'s marker (file -> hash, or possible hashes) atomically, through a temporary file in
+    ``scratch`` (same file system; nothing is left in ``folder`` when interrupted) or ``folder``."""
     from . import __version__
 
     for name in sha256:
         if _entry_problem(name) is not None:  # the package never writes a marker it would refuse to read
             raise ValueError(f"the export would list {name!r}, which {_entry_problem(name)}")
-    hashes = {name: sorted(v) if isinstance(v, frozenset) else v for name, v in sorted(sha256.items())}
+    hashes = {name: value if isinstance(value, str) else sorted(value) for name, value in sorted(sha256.items())}
     data = {"written_by": WRITER, "version": __version__, "format": FORMAT, "folder": list(folder_identity(folder)),
-            "files": sorted(sha256), "sha256": {name: v[0] if len(v) == 1 and isinstance(v, list) else v
-                                                for name, v in hashes.items()}}
-    handle, temp = tempfile.mkstemp(prefix=".marker-", dir=scratch or folder)
+            "files": list(hashes), "sha256": hashes}
+    temp = (scratch or folder) / f".marker-{secrets.token_hex(6)}"  # open("x"): the umask applies
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
+        with open(temp, "x", encoding="utf-8") as out:
             out.write(json.dumps(data, indent=1) + "\n")
-        os.chmod(temp, 0o666 & ~umask())
         os.replace(temp, folder / MARKER)
     except BaseException:
-        Path(temp).unlink(missing_ok=True)
+        temp.unlink(missing_ok=True)
         raise

@@ -3,9 +3,9 @@
     text = build_model_card(model, "me/denseformer-kjv", results=clm_results("outputs/clm/results.json",
                                                                               "denseformer"))
 
-The templates are Jinja templates with Hub front matter, filled and parsed by ``huggingface_hub.ModelCard``
-(every ``{{ name }}`` must have a value); results become ``EvalResult`` entries of its ``ModelCardData``. The
-pipeline tag and the family's numbers come from the family registry (:mod:`depthfusion_hf.families`).
+The templates are Jinja templates with Hub front matter (every ``{{ name }}`` must have a value), parsed by
+``huggingface_hub.ModelCard``; results become ``EvalResult`` entries of its ``ModelCardData``. The pipeline tag and
+the family's numbers come from the family registry (:mod:`depthfusion_hf.families`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from transformers import PreTrainedModel
 
 from .families import get_family
 
+# Built-in corpora of ``load_documents`` and what their validation split holds.
+BUILTIN_DATASETS = {"kjv": "King James Bible, held-out chapters", "plays": "Shakespeare's plays, held-out passages"}
+
 
 def default_model_cards_dir() -> Path:
     """The card templates shipped inside the package (``model_cards/`` at the repo root links here)."""
@@ -38,88 +41,67 @@ def _human(count: int) -> str:
 
 
 def model_card_values(model: PreTrainedModel, repo_id: str, dataset: str | None = None) -> dict[str, Any]:
-    """The numbers a family's card template refers to, read from the model and its config.
-
-    Common: ``repo_id``, ``model_type``, ``architecture``, ``num_parameters`` (e.g. ``"1.23M"``) and
-    ``num_parameters_exact``, ``dataset``; then the family's own numbers, from its registry entry's
-    ``card_values`` (e.g. DenseFormer's ``dwa_dilation``, MoDA's ``max_depth_entries``, DWAtt's ``labels``).
+    """The values a card template refers to: ``repo_id``, ``model_type``, ``architecture``, ``num_parameters``
+    (``"1.23M"``), ``num_parameters_exact``, ``dataset``, and the family's own (its registry entry's
+    ``card_values``, e.g. DenseFormer's ``dwa_dilation``).
 
     Raises:
         ValueError: if the model is not one of the registered families.
     """
     family = get_family(model.config.model_type)
     params = sum(p.numel() for p in model.parameters())
-    values: dict[str, Any] = {
-        "repo_id": repo_id,
-        "model_type": family.model_type,
-        "architecture": type(model).__name__,
-        "num_parameters": _human(params),
-        "num_parameters_exact": f"{params:,}",
-        "dataset": dataset or family.default_dataset,
-    }
-    return values | family.card_values(model)
-
-
-# Built-in corpora of ``load_documents`` and what their validation split holds.
-BUILTIN_DATASETS = {"kjv": "King James Bible, held-out chapters", "plays": "Shakespeare's plays, held-out passages"}
+    return {"repo_id": repo_id, "model_type": family.model_type, "architecture": type(model).__name__,
+            "num_parameters": _human(params), "num_parameters_exact": f"{params:,}",
+            "dataset": dataset or family.default_dataset} | family.card_values(model)
 
 
 def _files_text(files: Sequence[Mapping[str, Any]]) -> str:
-    return ", ".join(f"{f['name']} (sha256 {f['sha256']})" if f.get("sha256") else f"{f['name']} (sha256 not recorded)"
-                     for f in files)
+    return ", ".join(f"{f['name']} (sha256 {f.get('sha256') or 'not recorded'})" for f in files)
 
 
 def describe_data(data: Mapping[str, Any]) -> dict[str, Any]:
-    """The card's dataset fields for a ``results.json`` data record (see ``recipes.records.data_record``).
-
-    Returns ``dataset_source`` (``"files"``, ``"builtin"``, ``"hub"``), ``dataset_type`` (the Hub id or built-in
-    name; ``"local-files"``), ``dataset_name`` (what the validation numbers were measured on, local files by name
-    and sha256) and ``dataset_config`` (a Hub dataset's configuration, or ``None``).
+    """The card's dataset fields for a ``results.json`` data record (``recipes.records.data_record``):
+    ``dataset_source`` (``"files"``, ``"builtin"``, ``"hub"``), ``dataset_type`` (the Hub id, built-in name or
+    ``"local-files"``), ``dataset_name`` (what the validation numbers were measured on, local files by name and
+    sha256) and ``dataset_config`` (a Hub dataset's configuration, or ``None``).
     """
     source, name, config = data.get("source"), data.get("name"), data.get("config")
-    validation = data.get("validation_files") or []
     if source == "files":
-        train = _files_text(data.get("files") or [])
+        validation = data.get("validation_files")
         held_out = f"validation files {_files_text(validation)}" if validation else "held-out documents"
-        return dict(dataset_source=source, dataset_type="local-files", dataset_config=None,
-                    dataset_name=f"local files {train}; {held_out}")
-    if source == "builtin":
-        return dict(dataset_source=source, dataset_type=name, dataset_config=None,
-                    dataset_name=BUILTIN_DATASETS.get(name, f"{name}, held-out documents"))
-    if source == "hub":
-        shown = f"{name} ({config})" if config else name
-        return dict(dataset_source=source, dataset_type=name, dataset_config=config,
-                    dataset_name=f"{shown}, documents held out from its train split")
-    raise ValueError(f"a data record's source must be 'files', 'builtin' or 'hub'; got {source!r}")
+        kind, config, shown = "local-files", None, f"local files {_files_text(data.get('files') or [])}; {held_out}"
+    elif source == "builtin":
+        kind, config, shown = name, None, BUILTIN_DATASETS.get(name, f"{name}, held-out documents")
+    elif source == "hub":
+        kind, shown = name, f"{name}{f' ({config})' if config else ''}, documents held out from its train split"
+    else:
+        raise ValueError(f"a data record's source must be 'files', 'builtin' or 'hub'; got {source!r}")
+    return dict(dataset_source=source, dataset_type=kind, dataset_config=config, dataset_name=shown)
 
 
 def _recorded_data(data: Mapping[str, Any]) -> Mapping[str, Any]:
     """The data record of a ``results.json``; for a file written before records existed, one rebuilt from its
     arguments (local files then carry no hash: the file on disk now may not be the one trained on)."""
+    args = data.get("args", {})
     if data.get("data"):
         return data["data"]
-    args = data.get("args", {})
-    if args.get("train_files"):
-        return {"source": "files", "name": ", ".join(Path(f).name for f in args["train_files"]),
-                "files": [{"name": Path(f).name} for f in args["train_files"]],
-                "validation_files": [{"name": Path(f).name} for f in args.get("validation_files") or []]}
-    dataset = args.get("dataset") or "kjv"
-    return {"source": "builtin" if dataset in BUILTIN_DATASETS else "hub", "name": dataset,
-            "config": args.get("dataset_config")}
+    if not args.get("train_files"):
+        dataset = args.get("dataset") or "kjv"
+        return {"source": "builtin" if dataset in BUILTIN_DATASETS else "hub", "name": dataset,
+                "config": args.get("dataset_config")}
+    names = [Path(f).name for f in args["train_files"]]
+    return {"source": "files", "name": ", ".join(names), "files": [{"name": name} for name in names],
+            "validation_files": [{"name": Path(f).name} for f in args.get("validation_files") or []]}
 
 
 def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str) -> list[dict[str, Any]]:
-    """Metric entries for a causal LM from ``scripts/train_clm.py``'s ``results.json`` (path or parsed dict).
-
-    Takes the run whose ``model_type`` is ``model_type`` and the Llama baseline (``model_type`` ``"llama"``);
-    returns entries (see :func:`build_model_card`) for the validation loss and perplexity of the model, with the
-    baseline's numbers kept under ``"baseline"`` for the card's results table. Runs are matched by the
-    ``model_type`` each run records, never by their display names. The dataset is the one the file's ``data``
-    record names (:func:`describe_data`): local files by name and sha256, a Hub id with its configuration.
+    """Metric entries (see :func:`build_model_card`) for a causal LM from ``scripts/train_clm.py``'s
+    ``results.json`` (path or parsed dict): the validation loss and perplexity of the run whose recorded
+    ``model_type`` is ``model_type`` (never matched by display name), the Llama baseline's under ``"baseline"``,
+    on the dataset the file's ``data`` record names (:func:`describe_data`).
 
     Raises:
-        ValueError: if a run records no ``model_type`` (a file from an older ``train_clm.py``: add the field
-            or re-run), or no run of that family is in the file.
+        ValueError: a run records no ``model_type`` (an older ``train_clm.py``), or no run of that family.
     """
     data = json.loads(Path(results).read_text()) if not isinstance(results, Mapping) else results
     runs = data.get("runs", [])
@@ -127,31 +109,20 @@ def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str)
     if untyped:
         raise ValueError(f"runs without a 'model_type' field: {untyped} (results written by an older "
                          "train_clm.py; add \"model_type\" to each run or train again)")
-    ours = [run for run in runs if run["model_type"] == model_type]
-    if not ours:
+    run = next((run for run in runs if run["model_type"] == model_type), None)
+    if run is None:
         raise ValueError(f"no {model_type!r} run in the results (runs: "
                          f"{[(run.get('name'), run['model_type']) for run in runs]})")
-    run = ours[0]
     baseline = next((r for r in runs if r["model_type"] == "llama"), None)
-    dataset = describe_data(_recorded_data(data))
-    steps = data.get("settings", {}).get("max_steps")
+    common = {"task_type": "text-generation", "task_name": "Causal language modeling",
+              **describe_data(_recorded_data(data)), "dataset_split": "validation", "run": run.get("name"),
+              "steps": data.get("settings", {}).get("max_steps")}
     entries = []
-    for metric, name, key in (("loss", "Validation loss", "eval_loss"), ("perplexity", "Validation perplexity",
-                                                                           "perplexity")):
-        value = run.get(key) if key != "perplexity" else run.get(key, math.exp(run["eval_loss"]))
-        entry = {
-            "task_type": "text-generation",
-            "task_name": "Causal language modeling",
-            **dataset,
-            "dataset_split": "validation",
-            "metric_type": metric,
-            "metric_name": name,
-            "value": round(float(value), 4),
-            "run": run.get("name"),
-            "steps": steps,
-        }
-        if baseline is not None:
-            entry["baseline"] = round(float(baseline.get(key, math.exp(baseline["eval_loss"]))), 4)
+    for metric, key in (("loss", "eval_loss"), ("perplexity", "perplexity")):
+        entry = common | {"metric_type": metric, "metric_name": f"Validation {metric}"}
+        for where, source in (("value", run), ("baseline", baseline)):
+            if source is not None:
+                entry[where] = round(float(source.get(key, math.exp(source["eval_loss"]))), 4)
         entries.append(entry)
     return entries
 
@@ -160,75 +131,59 @@ def _results_section(entries: Sequence[Mapping[str, Any]] | None) -> str:
     if not entries:
         return ("No measured results are attached to this export (it was written without a results file, "
                 "e.g. a random initialisation); the metadata carries no `model-index`.")
-    has_baseline = any("baseline" in entry for entry in entries)
-    lines = ["| dataset | metric | this model |" + (" same-shape Llama |" if has_baseline else ""),
-             "|---|---|---:|" + ("---:|" if has_baseline else "")]
-    for entry in entries:
-        row = f"| {entry['dataset_name']} | {entry['metric_name']} | {entry['value']} |"
-        if has_baseline:
-            row += f" {entry.get('baseline', '')} |"
-        lines.append(row)
+    columns = ["dataset", "metric", "this model"] + ["same-shape Llama"] * any("baseline" in e for e in entries)
+    rows = [[e["dataset_name"], e["metric_name"], e["value"], e.get("baseline", "")][:len(columns)] for e in entries]
+    lines = [columns, ["---", "---", "---:", "---:"][:len(columns)], *rows]
     steps = next((entry.get("steps") for entry in entries if entry.get("steps")), None)
     note = f"\n\nMeasured by this package's training script ({steps} optimizer steps)." if steps else ""
-    return "\n".join(lines) + note
+    return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines) + note
 
 
-def build_model_card(
-    model: PreTrainedModel,
-    repo_id: str,
-    results: Sequence[Mapping[str, Any]] | None = None,
-    template_dir: str | os.PathLike | None = None,
-    dataset: str | None = None,
-    trained: bool = True,
-) -> str:
+def build_model_card(model: PreTrainedModel, repo_id: str, results: Sequence[Mapping[str, Any]] | None = None,
+                     template_dir: str | os.PathLike | None = None, dataset: str | None = None,
+                     trained: bool = True) -> str:
     """Render ``model_cards/<model_type>.md`` for ``model``: numbers from its config, and results if given.
 
     Args:
-        model: a DenseFormer, MoDA or DWAtt model.
+        model: a model of a registered family.
         repo_id: the Hub id the card's usage code loads (e.g. ``"me/denseformer-4x5-kjv"``).
         results: metric entries (``task_type``, ``task_name``, ``dataset_type``, ``dataset_name``, optional
             ``dataset_config`` / ``dataset_split``, ``metric_type``, ``metric_name``, ``value``; see
-            :func:`clm_results`); they become the card's ``EvalResult`` ``model-index`` and results table
-            (``None``: the card claims no results and has none).
-        template_dir: folder holding ``<model_type>.md``; defaults to :func:`default_model_cards_dir`.
-        dataset: the training data's Hub id for the ``datasets`` metadata (default: the one the results name; for
-            local files the card names them and has no ``datasets`` metadata; without results: the reference run's).
+            :func:`clm_results`): the card's ``EvalResult`` ``model-index`` and results table (``None``: none).
+        template_dir: folder holding the template; defaults to :func:`default_model_cards_dir`.
+        dataset: the training data's Hub id for the ``datasets`` metadata (default: the one the results name;
+            local files are named in the text only; without results: the reference run's).
         trained: ``False`` for a random initialisation: the card names no training data and no results.
     Returns:
         The card text (YAML front matter + markdown).
     Raises:
-        FileNotFoundError: if the template is missing. ValueError: if a placeholder has no value.
+        FileNotFoundError: the template is missing. ValueError: a placeholder has no value, or results for an
+            untrained model.
     """
-    template_dir = Path(template_dir) if template_dir is not None else default_model_cards_dir()
-    template_path = template_dir / get_family(model.config.model_type).card_template
-    if not template_path.is_file():
-        raise FileNotFoundError(f"model card template not found: {template_path}")
+    template = Path(template_dir or default_model_cards_dir()) / get_family(model.config.model_type).card_template
+    if not template.is_file():
+        raise FileNotFoundError(f"model card template not found: {template}")
     if not trained and results:
         raise ValueError("a randomly initialised model has no measured results")
     measured_on = next((entry for entry in results or () if entry.get("dataset_source")), None)
     local_files = dataset is None and measured_on is not None and measured_on["dataset_source"] == "files"
     if dataset is None and measured_on is not None and not local_files:
         dataset = measured_on["dataset_type"]  # the Hub id or built-in corpus the results were measured on
-    values = model_card_values(model, repo_id, dataset=dataset)
-    if local_files:
-        values["dataset"] = measured_on["dataset_name"]
-    if not trained:
-        values["dataset"] = "nothing: randomly initialised weights"
-    values["results_section"] = _results_section(results)
+    values = model_card_values(model, repo_id, dataset=dataset) | {"results_section": _results_section(results)}
+    if local_files or not trained:
+        values["dataset"] = measured_on["dataset_name"] if trained else "nothing: randomly initialised weights"
     environment = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     try:
-        card = ModelCard(environment.from_string(template_path.read_text(encoding="utf-8")).render(values))
+        card = ModelCard(environment.from_string(template.read_text(encoding="utf-8")).render(values))
     except jinja2.UndefinedError as error:
-        raise ValueError(f"model card template {template_path}: a placeholder has no value ({error})") from error
+        raise ValueError(f"model card template {template}: a placeholder has no value ({error})") from error
     if not trained or local_files:  # `datasets` metadata names Hub datasets; local files have none
         card.data.datasets = None
     card.data.model_name = repo_id.rstrip("/").split("/")[-1] if results else None
-    card.data.eval_results = [
-        EvalResult(task_type=entry["task_type"], task_name=entry.get("task_name"), dataset_type=entry["dataset_type"],
-                   dataset_name=entry["dataset_name"], dataset_config=entry.get("dataset_config"),
-                   dataset_split=entry.get("dataset_split"), metric_type=entry["metric_type"],
-                   metric_name=entry.get("metric_name"), metric_value=entry["value"])
-        for entry in results or ()] or None
+    fields = ("task_type", "task_name", "dataset_type", "dataset_name", "dataset_config", "dataset_split",
+              "metric_type", "metric_name")
+    card.data.eval_results = [EvalResult(**{field: entry.get(field) for field in fields}, metric_value=entry["value"])
+                              for entry in results or ()] or None
     return str(card)
 
 
