@@ -114,14 +114,23 @@ ENGINE_ARGS = dict(model_impl="transformers", trust_remote_code=True, dtype="flo
                    max_num_seqs=8, seed=0, gpu_memory_utilization=0.08, distributed_executor_backend="uni")
 
 OFFLINE_SCRIPT = """
-import json, sys
+import json, sys, time, traceback
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-folder, mode, prompts, new_tokens, engine_args = sys.argv[1:6]
-llm = LLM(model=folder, enforce_eager=mode == "eager", **json.loads(engine_args))
+folders, mode, prompts, new_tokens, engine_args = sys.argv[1:6]
 params = SamplingParams(temperature=0, max_tokens=int(new_tokens), min_tokens=int(new_tokens))
-outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts)], params)
-print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
+for folder in json.loads(folders):
+    start = time.perf_counter()
+    try:
+        llm = LLM(model=folder, enforce_eager=mode == "eager", **json.loads(engine_args))
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts)], params)
+        result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    except Exception:
+        result = {"error": traceback.format_exc()[-6000:]}
+    result |= {"folder": folder, "seconds": time.perf_counter() - start}
+    print("RESULT " + json.dumps(result), flush=True)
 """
 
 
@@ -135,12 +144,19 @@ def vllm_child(args: list[str], timeout: float) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, cwd=tempfile.gettempdir())
 
 
-def vllm_greedy(folder: Path, mode: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """vLLM's greedy tokens for a batch of token-id prompts from an exported ``folder``; ``mode`` ``"eager"``
-    (``enforce_eager=True``) or ``"compiled"`` (vLLM's torch.compile). AssertionError with vLLM's output on failure."""
-    proc = vllm_child([OFFLINE_SCRIPT, str(folder), mode, json.dumps(prompts), str(new_tokens),
-                       json.dumps(ENGINE_ARGS)], timeout=1200)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"vLLM failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1][len("TOKENS "):])
+def vllm_greedy_each(folders: list[Path], mode: str, prompts: list[list[int]],
+                     new_tokens: int = NEW_TOKENS) -> dict[str, dict]:
+    """Serve each exported folder in turn in ONE fresh interpreter (vLLM imported once; an engine built, used and
+    shut down per folder) and return, per folder path, ``{"tokens": [[id, ...] per prompt], "seconds": s}`` or
+    ``{"error": traceback, "seconds": s}`` when that folder failed (the others still run). ``mode`` ``"eager"``
+    (``enforce_eager=True``) or ``"compiled"`` (vLLM's torch.compile). AssertionError with vLLM's output when the
+    interpreter itself fails."""
+    names = [str(folder) for folder in folders]
+    proc = vllm_child([OFFLINE_SCRIPT, json.dumps(names), mode, json.dumps(prompts), str(new_tokens),
+                       json.dumps(ENGINE_ARGS)], timeout=300 + 240 * len(names))
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    found = {result.pop("folder"): result for result in results}
+    if proc.returncode != 0 or sorted(found) != sorted(names):
+        raise AssertionError(f"vLLM failed (rc={proc.returncode}, served {sorted(found)}):\n{proc.stderr[-6000:]}")
+    return found
+
