@@ -184,6 +184,22 @@ def test_an_unsupported_backbone_is_named():
         convert.load_source(AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
 
 
+def test_the_backbones_settings_that_serving_and_parallelism_read_are_the_familys():
+    """vLLM's Transformers backend reads the logit caps at the config's top level (its own LM head and attention), and
+    transformers' tensor parallelism the config's ``base_model_tp_plan``: a family on a backbone has the backbone's."""
+    gemma = depthfusion_hf.MHCConfig(backbone_config=Gemma3TextConfig(final_logit_softcapping=30.0,
+                                                                      attn_logit_softcapping=50.0, **SIZES))
+    reloaded = depthfusion_hf.MHCConfig.from_dict(gemma.to_dict())
+    for config in (gemma, reloaded):
+        assert (config.final_logit_softcapping, config.attn_logit_softcapping) == (30.0, 50.0)
+    assert depthfusion_hf.MHCConfig(**SIZES).base_model_tp_plan == LlamaConfig.base_model_tp_plan
+    for backbone in ("phi3", "olmo2"):
+        model = family_model("attnres", backbone)
+        assert model.config.base_model_tp_plan == type(model.config.backbone_config).base_model_tp_plan
+        layer_rules = {key: rule for key, rule in model.tp_plan.items() if key.startswith("model.layers.")}
+        assert layer_rules == {f"model.{key}": rule for key, rule in model.config.base_model_tp_plan.items()}
+
+
 def test_a_mismatched_backbone_config_is_named():
     with pytest.raises(ValueError, match=r"`hidden_size` is 128 but backbone_config.hidden_size is 64"):
         depthfusion_hf.AttnResConfig(hidden_size=128, backbone_config=backbone_config("qwen3"))

@@ -65,13 +65,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def serving_model(family: str, seed: int = 0, backbone: str = "llama") -> torch.nn.Module:
     """A float32 model of ``family`` at the serving shape on ``backbone`` (issue 30: heads of 32, Gemma 3 with a
-    sliding layer of window 4 before a full one), its family weights moved off their init."""
+    sliding layer of window 4 before a full one and a final logit cap of 0.5), its family weights moved off their
+    init."""
     torch.manual_seed(seed)
     shape = dict(SERVING_DECODER)
     if backbone != "llama":
         extra = {"head_dim": 32}
         if backbone == "gemma3_text":
-            extra |= {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"] * 2}
+            # a final logit cap that decides tokens (vLLM reads it from the top-level config, not our LM-head hook)
+            extra |= {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                      "final_logit_softcapping": 0.5}
         shape = {"backbone_config": CONFIG_MAPPING[backbone](**shape, **extra)}
     if family == "denseformer":
         model = DenseFormerForCausalLM(DenseFormerConfig(**shape, dwa_dilation=2))

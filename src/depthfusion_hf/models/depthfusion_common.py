@@ -195,8 +195,10 @@ def check_op_backend(config: LlamaConfig) -> None:
 MIRRORED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "initializer_range",
                    "attention_dropout", "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id")
-# ... and these are copied so that transformers' caches are made like the backbone's (sliding-window layers).
-MIRRORED_CACHE_FIELDS = ("layer_types", "sliding_window")
+# ... and these are copied: transformers' caches are made like the backbone's (sliding-window layers), and vLLM's
+# Transformers backend reads the logit softcapping at the top level (its own LM head; vllm 0.32,
+# model_executor/models/transformers/causal.py and base.py).
+COPIED_FIELDS = ("layer_types", "sliding_window", "final_logit_softcapping", "attn_logit_softcapping")
 
 
 @strict
@@ -225,6 +227,13 @@ class DecoderConfigMixin(LlamaConfig):
         """The sub-configs transformers walks (``attn_implementation``; tests that set RoPE on each):
         ``backbone_config`` where the family is built on one; none for a Llama family config (its own decoder)."""
         return {"backbone_config": AutoConfig} if self.__dict__.get("backbone_config") is not None else {}
+
+    @property
+    def base_model_tp_plan(self) -> dict | None:
+        """The backbone's tensor-parallel plan (Phi-3's fused projections, OLMo 2's q/k norms over all heads, ...),
+        or Llama's: the family keeps the backbone's module names."""
+        backbone = self.__dict__.get("backbone_config")
+        return (backbone if isinstance(backbone, PreTrainedConfig) else LlamaConfig).base_model_tp_plan
 
     def __post_init__(self, **kwargs):
         # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
@@ -257,7 +266,7 @@ class DecoderConfigMixin(LlamaConfig):
                 raise ValueError(f"`{name}` is {value!r} but backbone_config.{name} is {backbone_value!r}: with a "
                                  f"backbone_config the decoder's sizes are the backbone's; set them there")
             setattr(self, name, backbone_value)
-        for name in MIRRORED_CACHE_FIELDS:
+        for name in COPIED_FIELDS:
             if getattr(self.backbone_config, name, None) is not None:
                 setattr(self, name, getattr(self.backbone_config, name))
 
