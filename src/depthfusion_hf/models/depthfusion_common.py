@@ -231,9 +231,16 @@ class DecoderConfigMixin(LlamaConfig):
     @property
     def base_model_tp_plan(self) -> dict | None:
         """The backbone's tensor-parallel plan (Phi-3's fused projections, OLMo 2's q/k norms over all heads, ...),
-        or Llama's: the family keeps the backbone's module names."""
+        or Llama's: the family keeps the backbone's module names. One set on the config (transformers adds the
+        embeddings' rule to it when they are tied) is kept, like a class plan, out of ``config.json``."""
+        if "base_model_tp_plan" in self.__dict__:
+            return self.__dict__["base_model_tp_plan"]
         backbone = self.__dict__.get("backbone_config")
         return (backbone if isinstance(backbone, PreTrainedConfig) else LlamaConfig).base_model_tp_plan
+
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan: dict | None) -> None:
+        self.__dict__["base_model_tp_plan"] = plan
 
     def __post_init__(self, **kwargs):
         # Validation lives in `check_fields` rather than in `validate_*` methods: strict-dataclass validators
