@@ -16,8 +16,8 @@ tokens/s), ``results.json``, ``val_loss_<L>L.png`` (seed bands) and ``delta_vs_d
 Model specs (``--models``, comma-separated; ``llama`` must be one):
     llama | denseformer[:KxP] | moda[:no-ffn-kv][+post-norm] | attnres[:full|:blockN]
     | <any registry family>:field=value+field=value
-(``attnres:blockN``: N blocks, 2L/N sub-layers each; ``attnres:attnres_block_size=S``: blocks of S sub-layers, the
-model the recorded studies wrote ``attnres:block8``; see ``depthfusion_hf.recipes.study.specs``.)
+(``attnres:blockN``: N blocks, 2L/N sub-layers each; ``attnres:attnres_block_size=S``: blocks of S sub-layers; see
+``depthfusion_hf.recipes.study.specs``.)
 
 Default invocation (``configs/clm_narrow.json``: width 64, 2 query / 1 KV heads; llama, DenseFormer 1x1 and
 4x5, MoDA, AttnRes with blocks of 8 sub-layers; seeds 0 1; 6 and 12 layers; King James Bible, 2,048-token BPE;

@@ -1,6 +1,7 @@
 """The family-comparison study (issue 12 §1): spec parsing, statistics by hand, the plays corpus, and a real
 2-model x 2-seed x 1-depth run of ``scripts/compare_families.py`` that resumes after a partial first run."""
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -15,15 +16,16 @@ import torch
 from depthfusion_hf.data import plays
 from depthfusion_hf.data.corpus import load_documents, load_kjv_chapters
 from depthfusion_hf.recipes.study.grids import build_seeded_pair
-from depthfusion_hf.recipes.study.specs import (
-    DEFAULT_MODELS,
-    legacy_spec_texts,
-    parse_model_list,
-    parse_model_spec,
-    read_legacy_names,
-)
+from depthfusion_hf.recipes.study.specs import DEFAULT_MODELS, parse_model_list, parse_model_spec
 from depthfusion_hf.recipes.study.stats import interpolate_curve, mean_std, paired_summary, t_quantile_975
 from depthfusion_hf.recipes.study.store import RunStore, SettingsMismatch
+from depthfusion_hf.recipes.study.tables import (
+    best_scales,
+    compare_summary,
+    compare_tables,
+    continuation_summary,
+    continuation_tables,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,34 +90,6 @@ def test_attnres_block_n_means_n_blocks_at_every_depth():
     assert (model.config.attnres_block_size, model.config.num_blocks) == (1, 8)
 
 
-def test_runs_stored_under_the_old_attnres_names_are_read_and_resumed(tmp_path):
-    """Before SPEC_NAMES 2 the studies wrote ``attnres:blockS`` for blocks of S sub-layers: such a run is read as
-    ``attnres:attnres_block_size=S`` and resumed under that name; the same old key is refused to the new meaning
-    (storing the new ``attnres:block8`` there would replace the old run)."""
-    store = RunStore(tmp_path, {"max_steps": 10})
-    old_key = RunStore.key(model="attnres:block8", layers=12, seed=0)
-    old = {"spec": "attnres:block8", "fields": {"attnres_block_size": 8}, "layers": 12, "seed": 0, "eval_loss": 5.0,
-           "key": old_key, "settings": store.settings}  # as stored before: no spec_names
-    store.runs_dir.mkdir(parents=True)
-    store.path(old_key).write_text(json.dumps(old))
-    assert read_legacy_names(old)["spec"] == "attnres:attnres_block_size=8"
-    assert legacy_spec_texts("attnres:attnres_block_size=8") == ["attnres:block8"]
-    [record] = store.records()
-    assert (record["spec"], record["spec_as_stored"], record["eval_loss"]) == (
-        "attnres:attnres_block_size=8", "attnres:block8", 5.0)
-    key, found = store.find("attnres:attnres_block_size=8", layers=12, seed=0)
-    assert key == old_key and found["eval_loss"] == 5.0
-    with pytest.raises(SettingsMismatch, match="now names another model"):
-        store.find("attnres:block8", layers=12, seed=0)
-    assert store.find("attnres:attnres_block_size=8", layers=6, seed=0) == (
-        RunStore.key(model="attnres:attnres_block_size=8", layers=6, seed=0), None)
-    # a run stored today carries the names' version and is read as written
-    new_key, _ = store.find("attnres:block8", layers=24, seed=0)
-    store.put(new_key, {"spec": "attnres:block8", "fields": {"attnres_block_size": 6}, "eval_loss": 4.0})
-    assert store.find("attnres:block8", layers=24, seed=0)[1]["spec"] == "attnres:block8"
-    assert store.path(old_key).read_text() == json.dumps(old)  # the old file is never rewritten
-
-
 # --- statistics by hand -----------------------------------------------------------------------------
 
 
@@ -157,8 +131,34 @@ def test_run_store_refuses_other_settings(tmp_path):
     store.put(key, {"eval_loss": 1.5})
     assert store.get(key)["eval_loss"] == 1.5 and [r["key"] for r in store.records()] == [key]
     assert not list((tmp_path / "runs").glob("*.tmp"))
+    assert store.find("denseformer:4x5", layers=6, seed=0) == (key, store.get(key))
+    assert store.find("denseformer:4x5", layers=12, seed=0) == ("layers=12-model=denseformer_4x5-seed=0", None)
     with pytest.raises(SettingsMismatch, match=r"differing: \['max_steps'\]"):
         RunStore(tmp_path, {"max_steps": 20}).records()
+
+
+@pytest.mark.parametrize("report", ["family_study/kjv/results_mhc", "family_study/kjv/results_moda_gate",
+                                    "family_study/plays/results_mhc", "family_study/plays/results_moda_gate",
+                                    "upcycle/results_mhc"])
+def test_recorded_reports_are_rendered_from_their_stored_runs(report):
+    """The reports in docs/studies whose runs are stored there read back byte for byte from those runs."""
+    folder = REPO / "docs" / "studies" / Path(report).parent
+    settings = json.loads(next((folder / "runs").glob("*.json")).read_text(encoding="utf-8"))["settings"]
+    records = RunStore(folder, settings).records()
+    expected_md = (REPO / "docs" / "studies" / f"{report}.md").read_text(encoding="utf-8")
+    expected_json = (REPO / "docs" / "studies" / f"{report}.json").read_text(encoding="utf-8")
+    rows = lambda row: {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in row.items()}
+    if folder.name == "upcycle":
+        assert continuation_tables(records, expected_md.splitlines()[0][2:]) == expected_md
+        summary = {f"{spec} @ {scale:g}": rows(row) for (spec, scale), row in continuation_summary(records).items()}
+        summary["chosen_lr_scale"] = best_scales(records)
+    else:
+        kinds = {"llama", "mhc" if report.endswith("mhc") else "moda"}  # the Llama and what the report adds
+        records = [r for r in records if r["model_type"] in kinds]
+        assert compare_tables(records, expected_md.splitlines()[0][2:], "cpu_seconds") == expected_md
+        summary = {depth: {spec: rows(row) for spec, row in specs.items()}
+                   for depth, specs in compare_summary(records, "cpu_seconds").items()}
+    assert json.dumps(summary, indent=1) == expected_json
 
 
 # --- the plays corpus -------------------------------------------------------------------------------

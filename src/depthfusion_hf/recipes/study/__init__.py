@@ -1,7 +1,7 @@
 """Multi-seed, multi-depth studies of the causal-LM families against the same Llama (issue 12), one job per module:
 
 - :mod:`.specs`: the model specs (``llama``, ``denseformer:4x5``, ``moda:no-ffn-kv``, ``attnres:block8`` = 8 blocks,
-  ``family:field=value``), read from the family registry, and the names before today's;
+  ``family:field=value``), read from the family registry;
 - :mod:`.data`: one corpus, one tokenizer, packed train / validation (/ test) blocks;
 - :mod:`.store`: one JSON file per finished run, written atomically; resume and the refusal of other settings;
 - :mod:`.training`: one run of the recipe's ``train_one``, timed with evaluation excluded;

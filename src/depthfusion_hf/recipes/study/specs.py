@@ -13,12 +13,6 @@ A spec is ``kind[:variant]``: ``llama`` (the baseline), or a causal-LM family of
                           block at L layers, so N must divide the ``2L`` sub-layers
 ``attnres:attnres_block_size=S``  block AttnRes with S sub-layers per block at every depth
 ========================  ===========================================================================
-
-Names before this convention (:data:`SPEC_NAMES` 2): the studies wrote ``attnres:blockS`` for blocks of S
-sub-layers (the recorded ``docs/studies/family_study`` and ``docs/studies/upcycle``, and every run store made
-before). A stored run without ``spec_names`` is read through :func:`read_legacy_names`, which renames such a run
-``attnres:attnres_block_size=S`` (the same model, in today's words); :func:`legacy_spec_texts` gives a spec's old
-name, so that a study resumes the runs stored under it.
 """
 
 from __future__ import annotations
@@ -34,10 +28,8 @@ from ...families import FAMILIES, causal_lm_families
 from ..clm import BASELINE
 
 # The models both studies compare by default: the Llama and one variant of every family, as in the recorded studies
-# (docs/studies/: AttnRes with blocks of 8 sub-layers, written attnres:block8 there, see the module docstring).
+# (docs/studies/: AttnRes with blocks of 8 sub-layers).
 DEFAULT_MODELS = "llama,denseformer:1x1,denseformer:4x5,moda,attnres:attnres_block_size=8"
-# The naming version stored with every run (``spec_names``); runs without it use the names before it.
-SPEC_NAMES = 2
 
 # A variant parser: the variant text -> (fixed config fields, fields that depend on the depth L or None).
 DepthFields = Callable[[int], dict[str, Any]]
@@ -216,31 +208,5 @@ def parse_model_list(text: str, layers: Sequence[int] = ()) -> list[ModelSpec]:
     return specs
 
 
-# ---------------------------------------------------------------------------------------------------
-# Names before SPEC_NAMES
-# ---------------------------------------------------------------------------------------------------
-
-_LEGACY_ATTNRES_BLOCK = re.compile(r"attnres:block(\d+)")
-
-
-def read_legacy_names(record: dict) -> dict:
-    """A stored run in today's names: a run stored without ``spec_names`` whose spec is ``attnres:blockS`` (S
-    sub-layers per block, the names before :data:`SPEC_NAMES`) becomes ``attnres:attnres_block_size=S``, its old
-    name kept as ``spec_as_stored``. Other runs are returned as they are (the file is never changed)."""
-    if record.get("spec_names", 1) >= SPEC_NAMES:
-        return record
-    match = _LEGACY_ATTNRES_BLOCK.fullmatch(str(record.get("spec", "")))
-    if match is None:
-        return record
-    return dict(record, spec=f"attnres:attnres_block_size={int(match[1])}", spec_as_stored=record["spec"])
-
-
-def legacy_spec_texts(text: str) -> list[str]:
-    """The names a spec had before :data:`SPEC_NAMES` when they differ (``attnres:attnres_block_size=8`` was
-    ``attnres:block8``), so that a study finds the runs stored under them."""
-    match = re.fullmatch(r"attnres:attnres_block_size=(\d+)", text)
-    return [f"attnres:block{match[1]}"] if match else []
-
-
-__all__ = ["DEFAULT_MODELS", "SPEC_NAMES", "SPEC_SHORTHANDS", "ModelSpec", "attnres_block_size", "legacy_spec_texts",
-           "parse_model_list", "parse_model_spec", "read_legacy_names", "spec_field_names", "spec_syntax"]
+__all__ = ["DEFAULT_MODELS", "SPEC_SHORTHANDS", "ModelSpec", "attnres_block_size", "parse_model_list",
+           "parse_model_spec", "spec_field_names", "spec_syntax"]

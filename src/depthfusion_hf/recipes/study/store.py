@@ -10,8 +10,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .specs import SPEC_NAMES, legacy_spec_texts, read_legacy_names
-
 
 def _flatten(settings: dict, prefix: str = "") -> dict:
     """``{"train": {"max_steps": 6}}`` -> ``{"train.max_steps": 6}``."""
@@ -52,7 +50,6 @@ class RunStore:
     interrupted study leaves only complete runs; a rerun skips every run whose key it finds. Every run
     stores the study's ``settings``; a store refuses to add to or read runs with other settings
     (:class:`SettingsMismatch`), so a changed command never mixes its runs with the old ones silently.
-    Runs are read in today's model names (:func:`~.specs.read_legacy_names`); the files are never rewritten.
     """
 
     def __init__(self, folder: str | os.PathLike, settings: dict):
@@ -76,7 +73,7 @@ class RunStore:
             diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
             raise SettingsMismatch(f"{path} was made with other settings (differing: {diff}); use another "
                                    "output folder, or the same command as the stored runs")
-        return read_legacy_names(record)
+        return record
 
     def get(self, key: str) -> dict | None:
         """The stored run ``key`` or ``None``; :class:`SettingsMismatch` when it used other settings."""
@@ -86,35 +83,15 @@ class RunStore:
         return self._check(json.loads(path.read_text(encoding="utf-8")), path)
 
     def find(self, spec: str, **parts: Any) -> tuple[str, dict | None]:
-        """The key and stored run of model ``spec`` at ``parts`` (layers, seed, ...), or the key to store it under
-        and ``None``. A run stored under an earlier name of ``spec`` (:func:`~.specs.legacy_spec_texts`) is found.
-
-        Raises:
-            SettingsMismatch: the run used other settings, or the file of ``spec``'s key holds a run that was
-                stored under the same name with an earlier meaning (storing the new run would replace it).
-        """
+        """The key of model ``spec`` at ``parts`` (layers, seed, ...) and its stored run, or ``None`` when not stored;
+        :class:`SettingsMismatch` when that run used other settings."""
         key = self.key(model=spec, **parts)
-        record = self.get(key)
-        if record is not None:
-            if record["spec"] != spec:
-                raise SettingsMismatch(
-                    f"{self.path(key)} holds {record['spec_as_stored']!r} in the names before SPEC_NAMES "
-                    f"{SPEC_NAMES}: today {record['spec']!r}, while {spec!r} now names another model (see "
-                    "depthfusion_hf.recipes.study.specs); ask for that name to resume it, or use another output "
-                    "folder for the new model")
-            return key, record
-        for old in legacy_spec_texts(spec):
-            old_key = self.key(model=old, **parts)
-            old_record = self.get(old_key)
-            if old_record is not None and old_record["spec"] == spec:
-                return old_key, old_record
-        return key, None
+        return key, self.get(key)
 
     def put(self, key: str, record: dict) -> Path:
-        """Store a finished run (with the study's settings and :data:`~.specs.SPEC_NAMES`) atomically; returns its
-        file."""
+        """Store a finished run (with the study's settings) atomically; returns its file."""
         self.runs_dir.mkdir(parents=True, exist_ok=True)
-        record = dict(record, key=key, settings=self.settings, spec_names=SPEC_NAMES)
+        record = dict(record, key=key, settings=self.settings)
         path = self.path(key)
         write_text_atomic(path, json.dumps(record, indent=1, default=str))
         return path
