@@ -119,7 +119,7 @@ def test_a_real_tiny_study_selects_on_dev_reports_paired_gains_and_resumes(tmp_p
     summary = ner_study.run_study(settings)
     assert len(trained) == 8  # 2 methods x (2 grid points x 1 selection seed + 2 test seeds)
 
-    records = ner_study.RunStore(out).all()
+    records = ner_study.study_store(settings).records()
     selection = [r for r in records if r["phase"] == "select"]
     tests = [r for r in records if r["phase"] == "test"]
     assert len(selection) == 4 and len(tests) == 4
@@ -172,19 +172,19 @@ def test_a_real_tiny_study_selects_on_dev_reports_paired_gains_and_resumes(tmp_p
     trained.clear()
     ner_study.run_study(settings)
     assert trained == []
-    missing = ner_study.RunStore(out).path("test", "8", "last_ln", "seed2")
+    missing = ner_study.study_store(settings).path(ner_study.run_key("test", "8", "last_ln", "seed2"))
     missing.unlink()
     ner_study.run_study(settings)
     assert [(fusion, seed) for fusion, seed, *_ in trained] == [("last_ln", 2)] and missing.is_file()
 
     # a folder written with other fixed settings is refused before any training
     trained.clear()
-    with pytest.raises(ValueError, match=r"holds a study with other settings \['dev_size'\]"):
+    with pytest.raises(ValueError, match=r"other settings \(differing: \['dev_size'\]\)"):
         ner_study.run_study(tiny_study(out, dev_size=13))
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "results.md").write_text("someone else's")
     (foreign / "notes.txt").write_text("kept")  # files of other names are not in the way
-    with pytest.raises(ValueError, match=r"holds \['results.md'\] but no study.json"):
+    with pytest.raises(ValueError, match=r"holds \['results.md'\] but no run of a study"):
         ner_study.run_study(tiny_study(foreign))
     assert trained == [] and (foreign / "results.md").read_text() == "someone else's"

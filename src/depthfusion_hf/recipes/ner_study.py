@@ -5,8 +5,9 @@ the training pool (never on the test split; :func:`select_point`), then **tests*
 sets of other seeds, scoring the fixed test split. The pool is that of :func:`depthfusion_hf.recipes.ner.load_splits`
 without the copies of test sentences and without the dev sentences, so no training, dev or test sentence is shared.
 
-Every finished run is one JSON file under ``<output_dir>/runs/`` (:class:`RunStore`); a rerun skips the files it finds
-(resume) and refuses an output folder written with other fixed settings. After each run the report is rewritten
+Every finished run is one JSON file under ``<output_dir>/runs/`` (the studies' :class:`~.study.store.RunStore`, keyed by
+phase, size, method and run); a rerun skips the runs it finds (resume) and refuses an output folder whose runs used
+other fixed settings, or one holding report files but no run. After each run the report is rewritten
 (:func:`write_report`): ``selected.json``, ``results.json`` / ``results.md`` (mean ± std test F1, the paired gains
 over ``last`` and ``last_ln`` with a 95 % t-interval and the seeds won, wall time) and ``f1_vs_size.png``.
 """
@@ -14,7 +15,6 @@ over ``last`` and ``last_ln`` with a 95 % t-interval and the seeds won, wall tim
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import statistics
 import tempfile
@@ -39,7 +39,7 @@ from .ner import (
 )
 from .records import table_lines
 from .study.stats import paired_summary
-from .study.store import write_json_atomic, write_text_atomic
+from .study.store import RunStore, write_json_atomic, write_text_atomic
 
 Sentence = dict[str, list[str]]
 
@@ -49,7 +49,7 @@ _STUDY_CONTROLLED = {"config", "fusions", "sizes", "seeds", "learning_rate", "he
 # Study fields that may change between invocations sharing one output folder (they select what runs, not how).
 _FREE_FIELDS = {"methods", "sizes", "seeds", "shard", "output_dir", "config"}
 BASELINES = ("last", "last_ln")
-# What a study writes into its output folder (besides study.json).
+# What a study writes into its output folder.
 OUTPUT_NAMES = ("runs", "selected.json", "results.json", "results.md", "f1_vs_size.png")
 
 
@@ -215,52 +215,26 @@ def paired_gain(values: dict[int, float], baseline: dict[int, float]) -> dict | 
     return {"n": summary.n, "mean": summary.mean, **spread, "wins": summary.won, "diffs": diffs}
 
 
-class RunStore:
-    """One JSON file per finished run under ``<root>/runs/``; written atomically, read back for resume."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-
-    def path(self, phase: str, size: str, method: str, name: str) -> Path:
-        """Where the run ``name`` of ``phase`` (``"select"`` or ``"test"``) for one cell is stored."""
-        return self.root / "runs" / phase / size / method / f"{name}.json"
-
-    def get(self, phase: str, size: str, method: str, name: str) -> dict | None:
-        """The stored record, or ``None`` when the run has not finished."""
-        path = self.path(phase, size, method, name)
-        return json.loads(path.read_text()) if path.is_file() else None
-
-    def put(self, phase: str, size: str, method: str, name: str, record: dict) -> None:
-        """Store ``record`` (a new temporary file renamed into place: a crash never leaves half a file)."""
-        write_json_atomic(self.path(phase, size, method, name), record)
-
-    def all(self) -> list[dict]:
-        """Every stored record."""
-        return [json.loads(p.read_text()) for p in sorted((self.root / "runs").glob("*/*/*/*.json"))]
+def run_key(phase: str, size: str, method: str, name: str) -> str:
+    """The store key of the run ``name`` of ``phase`` (``"select"`` or ``"test"``) in one (size, method) cell."""
+    return RunStore.key(phase=phase, size=size, method=method, run=name)
 
 
-def check_or_write_study_file(settings: NerStudySettings) -> None:
-    """Record the fixed settings in ``study.json``; refuse a folder written with other fixed settings, or one
-    without ``study.json`` that already holds a file of the names the study writes (it would replace them).
+def study_store(settings: NerStudySettings) -> RunStore:
+    """The run store of ``settings.output_dir``, checked: every stored run used these fixed settings, and a folder
+    without runs holds none of the report files (they were not written by a study and would be replaced).
 
     Raises:
-        ValueError: naming the settings that differ from the stored ones, or the files in the way.
+        ValueError: naming the settings that differ from a stored run's (:class:`~.study.store.SettingsMismatch`),
+            or the files in the way.
     """
     out = Path(settings.output_dir)
-    path = out / "study.json"
-    fixed = json.loads(json.dumps(settings.fixed_record()))  # JSON round trip: tuples -> lists
+    store = RunStore(out, settings.fixed_record())
     in_the_way = [name for name in OUTPUT_NAMES if (out / name).exists()]
-    if not path.is_file() and in_the_way:
-        raise ValueError(f"{out} holds {in_the_way} but no study.json: they were not written by a study; use "
-                         f"another output_dir")
-    if path.is_file():
-        stored = json.loads(path.read_text())["fixed"]
-        differ = sorted(k for k in set(stored) | set(fixed) if stored.get(k) != fixed.get(k))
-        if differ:
-            raise ValueError(f"{settings.output_dir} holds a study with other settings {differ}: resume it with "
-                             f"the same settings, or use another output_dir")
-        return
-    write_json_atomic(path, {"fixed": fixed})
+    if in_the_way and not store.records():
+        raise ValueError(f"{out} holds {in_the_way} but no run of a study (the report would replace them); use "
+                         "another output_dir")
+    return store
 
 
 def selection_name(seed: int, learning_rate: float, steps: int) -> str:
@@ -274,7 +248,8 @@ def run_cell(settings: NerStudySettings, data: StudyData, size: TrainingSize, me
     pool_index = {id(s): i for i, s in enumerate(data.pool)}
 
     def train_and_store(phase: str, name: str, seed: int, lr: float, steps: int, evaluation: dict) -> dict:
-        found = store.get(phase, size.label, method, name)
+        key = run_key(phase, size.label, method, name)
+        found = store.get(key)
         if found is not None:
             return found
         train = sample_training_set(data.pool, size, seed, data.entity_types)
@@ -286,7 +261,7 @@ def run_cell(settings: NerStudySettings, data: StudyData, size: TrainingSize, me
         record.update(run_one(run_settings, context["encoder"], context["tokenizer"], train, method, seed,
                               data.label_list, evaluation, context["workdir"]))
         record["train_indices"] = sorted(pool_index[id(s)] for s in train)
-        store.put(phase, size.label, method, name, record)
+        store.put(key, record)
         score = record.get("dev_f1", record.get("f1"))
         print(f"{phase:>6} size={size.label:>7} {method:>7} seed={seed} lr={lr:g} steps={steps}: F1 {score:6.2f} "
               f"({record['train_seconds']:.0f}s train)", flush=True)
@@ -397,7 +372,7 @@ def describe(settings: NerStudySettings, data: StudyData) -> dict:
 def write_report(settings: NerStudySettings, data_description: dict, plot: bool = True) -> dict:
     """Rewrite selected.json, results.json, results.md (and with ``plot`` f1_vs_size.png) from the stored runs."""
     out = Path(settings.output_dir)
-    summary = summarise_study(settings, RunStore(out).all())
+    summary = summarise_study(settings, study_store(settings).records())
     write_json_atomic(out / "selected.json", summary["selected"])
     write_json_atomic(out / "results.json", {"data": data_description, "settings": settings.record(), **summary})
     header = (f"Few-shot NER study; data: {data_description['name']}; encoder: {data_description['encoder']}; "
@@ -414,7 +389,7 @@ def write_report(settings: NerStudySettings, data_description: dict, plot: bool 
 
 def run_study(settings: NerStudySettings) -> dict:
     """Run (or resume) this shard's cells, rewriting the report after every run; return the final summary."""
-    check_or_write_study_file(settings)
+    store = study_store(settings)  # refuses a folder of other settings before any work
     data = prepare_data(settings)
     encoder, tokenizer = load_encoder(settings.base)
     label2id = {label: i for i, label in enumerate(data.label_list)}
@@ -426,7 +401,6 @@ def run_study(settings: NerStudySettings) -> dict:
         context = {"encoder": encoder, "tokenizer": tokenizer, "workdir": workdir,
                    "dev": {"dev": (data.dev, encode(data.dev, tokenizer, label2id, settings.base.max_length))},
                    "test": {"test": (data.test, encode(data.test, tokenizer, label2id, settings.base.max_length))}}
-        store = RunStore(settings.output_dir)
         for size, method in cells(settings):
             run_cell(settings, data, size, method, context, store,
                      lambda phase: write_report(settings, description, plot=phase == "test"))
@@ -435,5 +409,5 @@ def run_study(settings: NerStudySettings) -> dict:
     return summary
 
 
-__all__ = ["NerStudySettings", "RunStore", "StudyData", "cells", "describe", "paired_gain", "parse_shard",
-           "prepare_data", "run_study", "select_point", "study_markdown", "summarise_study", "write_report"]
+__all__ = ["NerStudySettings", "StudyData", "cells", "describe", "paired_gain", "parse_shard", "prepare_data",
+           "run_key", "run_study", "select_point", "study_markdown", "study_store", "summarise_study", "write_report"]
