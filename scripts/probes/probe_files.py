@@ -172,9 +172,9 @@ def export(root: Path, files=None, name="out") -> Path:
 
 
 def forge_marker(folder: Path, files, hashes=None, extra=None):
-    data = {"written_by": "depthfusion-hf", "files": files}
+    data = {"written_by": "depthfusion-hf", "format": 2, "files": files}
     if hashes is not None:
-        data.update(format=2, sha256=hashes, folder=[0, 0])
+        data.update(sha256=hashes, folder=[0, 0])
     data.update(extra or {})
     write(folder / MARKER, json.dumps(data))
 
@@ -208,7 +208,7 @@ for label, files in MALFORMED.items():
         root = fresh("mal")
         target = root / "out"
         write(target / "a.txt", "old")
-        write(target / MARKER, json.dumps({"written_by": "depthfusion-hf", "files": files}))
+        write(target / MARKER, json.dumps({"written_by": "depthfusion-hf", "format": 2, "files": files}))
         return guarded(root, lambda: SF.write_folder(target, writer({"a.txt": "new"}), overwrite=True), [],
                        "refuse", [MARKER])
 
@@ -481,7 +481,7 @@ def _():
     return guarded(root, lambda: SF.write_folder(target, writer({"README.md": "c2"})), [], "succeed")
 
 
-@case("export: edited files", "an old marker without hashes and an edited card")
+@case("export: edited files", "a marker without format or hashes and an edited card, overwrite")
 def _():
     root = fresh("edit")
     target = root / "out"
@@ -489,8 +489,8 @@ def _():
     write(target / "config.json", "{}")
     write(target / MARKER, json.dumps({"written_by": "depthfusion-hf", "version": "0.1.0",
                                        "files": ["README.md", "config.json"]}))
-    return guarded(root, lambda: SF.write_folder(target, writer({"README.md": "new", "config.json": "{}"})),
-                   ["out"], "refuse", ["README.md"])
+    return guarded(root, lambda: SF.write_folder(target, writer({"README.md": "new", "config.json": "{}"}),
+                                                 overwrite=True), ["out"], "refuse", [MARKER, "format"])
 
 
 @case("export: edited files", "an edited card through save_remote_code_folder")

@@ -109,12 +109,12 @@ def _invalid(path: Path, what: str) -> MarkerError:
 
 def load_marker(folder: Path) -> Marker | None:
     """The validated marker of ``folder``; ``None`` when there is no regular file of that name (a link is not
-    followed), it is not this package's JSON, or a development marker without hashes (format 1: it cannot tell
-    the package's files from edited ones, so the folder counts as foreign).
+    followed) or it is not this package's JSON.
 
     Raises:
-        MarkerError: this package's marker listing anything but plain relative names inside the folder, or with
-            malformed hashes, folder identity or a newer format; the message names the marker and the entry.
+        MarkerError: this package's marker of another format than :data:`FORMAT`, or listing anything but plain
+            relative names inside the folder, or with malformed hashes or folder identity; the message names the
+            marker and the problem.
     """
     path = folder / MARKER
     with _no_follow(folder, MARKER) as (_, handle):
@@ -125,9 +125,9 @@ def load_marker(folder: Path) -> Marker | None:
     if not isinstance(data, dict) or data.get("written_by") != WRITER:
         return None
     version, files, hashes, identity = (data.get(key) for key in ("format", "files", "sha256", "folder"))
-    if version not in (None, FORMAT):
-        raise MarkerError(f"{path} has marker format {version!r}, written by a newer depthfusion-hf than this one "
-                          f"(format {FORMAT}); nothing was deleted or written. Upgrade the package.")
+    if version != FORMAT:
+        raise _invalid(path, f"its format is {version!r}, and this depthfusion-hf reads format {FORMAT} only (a newer "
+                             "version may have written it: upgrade the package)")
     if not isinstance(files, list):
         raise _invalid(path, f"'files' must be a list of file names; got {type(files).__name__}")
     for entry in files:
@@ -135,8 +135,6 @@ def load_marker(folder: Path) -> Marker | None:
             raise _invalid(path, f"entry {entry!r} {_entry_problem(entry)}")
     if len(set(files)) != len(files):
         raise _invalid(path, "an entry is listed twice")
-    if version is None:
-        return None
     if not isinstance(hashes, dict) or set(hashes) != set(files):
         raise _invalid(path, "'sha256' must map every listed file, and only those, to its content hash")
     sha256 = {name: frozenset(value if isinstance(value, list) else [value]) for name, value in hashes.items()}

@@ -123,7 +123,8 @@ def test_a_folder_with_an_untrusted_marker_is_not_uploaded(exported, tmp_path, m
     monkeypatch.setattr("huggingface_hub.HfApi", FakeHfApi)
 
     def forge(copy: Path) -> None:
-        (copy / MARKER).write_text(json.dumps({"written_by": "depthfusion-hf", "files": ["../../victim.txt"]}))
+        (copy / MARKER).write_text(json.dumps({"written_by": "depthfusion-hf", "format": 2,
+                                                "files": ["../../victim.txt"]}))
 
     copy = _copy_with(exported, tmp_path, forge)
     with pytest.raises(ExportTargetError, match=r"'\.\./\.\./victim\.txt'"):

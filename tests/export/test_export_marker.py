@@ -23,7 +23,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from depthfusion_hf.safe_folder import MARKER, ExportTargetError, clean_stale_staging, load_marker, write_folder
+from depthfusion_hf.safe_folder import (
+    MARKER,
+    ExportTargetError,
+    MarkerError,
+    clean_stale_staging,
+    load_marker,
+    write_folder,
+)
 
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -66,9 +73,9 @@ def _dead_pid() -> int:
 
 def _forge_marker(folder: Path, files: list, hashes: dict | None = None) -> None:
     """A marker written by hand (as a tarball, a shared drive or an attacker could)."""
-    data = {"written_by": "depthfusion-hf", "files": files}
+    data = {"written_by": "depthfusion-hf", "format": 2, "files": files}
     if hashes is not None:
-        data.update(format=2, sha256=hashes, folder=[0, 0])
+        data.update(sha256=hashes, folder=[0, 0])
     (folder / MARKER).write_text(json.dumps(data))
 
 
@@ -133,7 +140,7 @@ def test_a_malformed_marker_of_this_package_is_refused_naming_it(tmp_path, files
     target = tmp_path / "out"
     target.mkdir()
     (target / "a.txt").write_text("old")
-    (target / MARKER).write_text(json.dumps({"written_by": "depthfusion-hf", "files": files}))
+    (target / MARKER).write_text(json.dumps({"written_by": "depthfusion-hf", "format": 2, "files": files}))
     before = _snapshot(tmp_path)
     for overwrite in (False, True):
         with pytest.raises(ExportTargetError, match=MARKER):
@@ -258,22 +265,25 @@ def test_the_edited_model_card_survives_the_next_export(tmp_path):
     assert (target / "README.md").read_text() == "my model card"
 
 
-def test_a_marker_without_hashes_is_a_foreign_file(tmp_path):
-    """A development version's marker (format 1, no hashes) cannot tell an edited file from the package's: the
-    folder counts as foreign, and overwrite refuses to replace the marker-named file; nothing changes."""
+@pytest.mark.parametrize("version", [None, 1, 3, "2"], ids=repr)
+def test_a_marker_of_another_format_is_refused_naming_it(tmp_path, version):
+    """Only format 2 is read: a marker without hashes (no format, or 1) cannot tell an edited file from the
+    package's, and a newer one may mean something else; the folder is refused, also with overwrite, and nothing
+    changes."""
     target = tmp_path / "out"
     target.mkdir()
     (target / "README.md").write_text("maybe edited")
     (target / "config.json").write_text("{}")
-    (target / MARKER).write_text(json.dumps({"written_by": "depthfusion-hf", "version": "0.1.0",
-                                             "files": ["README.md", "config.json"]}))
+    data = {"written_by": "depthfusion-hf", "version": "0.1.0", "files": ["README.md", "config.json"]}
+    (target / MARKER).write_text(json.dumps(data if version is None else data | {"format": version}))
     before = _snapshot(tmp_path)
-    with pytest.raises(ExportTargetError, match="not an export of this package") as error:
-        write_folder(target, _writer({"config.json": "{}"}))
-    assert "README.md, config.json" in str(error.value) and _snapshot(tmp_path) == before
-    with pytest.raises(ExportTargetError, match=f"names of files the export writes.*{MARKER}"):
-        write_folder(target, _writer({"config.json": "{}"}), overwrite=True)
-    assert _snapshot(tmp_path) == before and load_marker(target) is None
+    for overwrite in (False, True):
+        with pytest.raises(MarkerError, match=rf"{MARKER} is not a valid export marker: its format is {version!r}, "
+                                              r"and this depthfusion-hf reads format 2 only"):
+            write_folder(target, _writer({"README.md": "new", "config.json": "{}"}), overwrite=overwrite)
+        assert _snapshot(tmp_path) == before
+    with pytest.raises(MarkerError, match="format"):
+        load_marker(target)
 
 
 def test_an_interrupted_overwrite_update_is_finished_without_spurious_edits(tmp_path, monkeypatch):
