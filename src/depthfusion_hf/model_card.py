@@ -11,7 +11,6 @@ the family's numbers come from the family registry (:mod:`depthfusion_hf.familie
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from transformers import PreTrainedModel
 from .families import get_family
 
 # Built-in corpora of ``load_documents`` and what their validation split holds.
+RUN_FIELDS = ("model_type", "eval_loss", "perplexity")  # what clm_results reads from each run
 BUILTIN_DATASETS = {"kjv": "King James Bible, held-out chapters", "plays": "Shakespeare's plays, held-out passages"}
 
 
@@ -79,21 +79,6 @@ def describe_data(data: Mapping[str, Any]) -> dict[str, Any]:
     return dict(dataset_source=source, dataset_type=kind, dataset_config=config, dataset_name=shown)
 
 
-def _recorded_data(data: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The data record of a ``results.json``; for a file written before records existed, one rebuilt from its
-    arguments (local files then carry no hash: the file on disk now may not be the one trained on)."""
-    args = data.get("args", {})
-    if data.get("data"):
-        return data["data"]
-    if not args.get("train_files"):
-        dataset = args.get("dataset") or "kjv"
-        return {"source": "builtin" if dataset in BUILTIN_DATASETS else "hub", "name": dataset,
-                "config": args.get("dataset_config")}
-    names = [Path(f).name for f in args["train_files"]]
-    return {"source": "files", "name": ", ".join(names), "files": [{"name": name} for name in names],
-            "validation_files": [{"name": Path(f).name} for f in args.get("validation_files") or []]}
-
-
 def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str) -> list[dict[str, Any]]:
     """Metric entries (see :func:`build_model_card`) for a causal LM from ``scripts/train_clm.py``'s
     ``results.json`` (path or parsed dict): the validation loss and perplexity of the run whose recorded
@@ -101,28 +86,31 @@ def clm_results(results: str | os.PathLike | Mapping[str, Any], model_type: str)
     on the dataset the file's ``data`` record names (:func:`describe_data`).
 
     Raises:
-        ValueError: a run records no ``model_type`` (an older ``train_clm.py``), or no run of that family.
+        ValueError: the results lack the ``data`` record or a run's ``model_type``, ``eval_loss`` or
+            ``perplexity`` (``train_clm.py`` writes them all), or hold no run of that family.
     """
     data = json.loads(Path(results).read_text()) if not isinstance(results, Mapping) else results
     runs = data.get("runs", [])
-    untyped = [run.get("name") for run in runs if not run.get("model_type")]
-    if untyped:
-        raise ValueError(f"runs without a 'model_type' field: {untyped} (results written by an older "
-                         "train_clm.py; add \"model_type\" to each run or train again)")
+    lacking = {run.get("name"): [key for key in RUN_FIELDS if key not in run] for run in runs}
+    lacking = {name: keys for name, keys in lacking.items() if keys}
+    if not isinstance(data.get("data"), Mapping) or lacking:
+        raise ValueError(f"results must be scripts/train_clm.py's results.json: a 'data' record (got "
+                         f"{data.get('data')!r:.80}) and runs with {', '.join(RUN_FIELDS)} (runs lacking some: "
+                         f"{lacking})")
     run = next((run for run in runs if run["model_type"] == model_type), None)
     if run is None:
         raise ValueError(f"no {model_type!r} run in the results (runs: "
                          f"{[(run.get('name'), run['model_type']) for run in runs]})")
     baseline = next((r for r in runs if r["model_type"] == "llama"), None)
     common = {"task_type": "text-generation", "task_name": "Causal language modeling",
-              **describe_data(_recorded_data(data)), "dataset_split": "validation", "run": run.get("name"),
+              **describe_data(data["data"]), "dataset_split": "validation", "run": run.get("name"),
               "steps": data.get("settings", {}).get("max_steps")}
     entries = []
     for metric, key in (("loss", "eval_loss"), ("perplexity", "perplexity")):
         entry = common | {"metric_type": metric, "metric_name": f"Validation {metric}"}
         for where, source in (("value", run), ("baseline", baseline)):
             if source is not None:
-                entry[where] = round(float(source.get(key, math.exp(source["eval_loss"]))), 4)
+                entry[where] = round(float(source[key]), 4)
         entries.append(entry)
     return entries
 

@@ -13,6 +13,7 @@ import pytest
 from huggingface_hub import ModelCard, metadata_load
 
 from depthfusion_hf.export import check_export_folder, save_remote_code_folder
+from depthfusion_hf.recipes.records import data_record
 
 from .builders import tiny_denseformer
 
@@ -69,7 +70,7 @@ def trained(tmp_path):
     model, tokenizer = tiny_denseformer()
     out = tmp_path / "outputs" / "clm"
     save_remote_code_folder(model, out / "denseformer" / "final", tokenizer=tokenizer)
-    results = {"args": {"dataset": "kjv"}, "settings": {"max_steps": 300},
+    results = {"args": {"dataset": "kjv"}, "settings": {"max_steps": 300}, "data": data_record("kjv"),
                "runs": [{"name": "denseformer 2x2", "model_type": "denseformer", "eval_loss": 4.25,
                          "perplexity": 70.1054},
                         {"name": "llama (baseline)", "model_type": "llama", "eval_loss": 4.5,

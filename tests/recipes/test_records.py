@@ -85,13 +85,14 @@ def test_a_card_of_a_builtin_run_names_the_corpus(name, title):
     assert (dataset["type"], dataset["name"]) == (name, title) and meta["datasets"] == [name]
 
 
-def test_an_old_results_file_without_a_record_is_read_from_its_arguments():
-    """Files written before the record: local files by name (hash not recorded), never the default corpus."""
-    entry = clm_results(results(None, {"dataset": "kjv", "train_files": ["data/my.txt"]}), "denseformer")[0]
-    assert entry["dataset_type"] == "local-files" and "my.txt (sha256 not recorded)" in entry["dataset_name"]
-    entry = clm_results(results(None, {"dataset": "wikitext", "dataset_config": "wikitext-2-raw-v1"}),
-                        "denseformer")[0]
-    assert (entry["dataset_type"], entry["dataset_config"]) == ("wikitext", "wikitext-2-raw-v1")
+def test_results_without_a_data_record_or_a_run_field_are_refused():
+    """Never guessed from the arguments (``--train_files my.txt`` once recorded ``dataset: kjv``)."""
+    with pytest.raises(ValueError, match=r"a 'data' record \(got None\)"):
+        clm_results(results(None, {"dataset": "kjv", "train_files": ["data/my.txt"]}), "denseformer")
+    for field in ("model_type", "eval_loss", "perplexity"):
+        runs = [{k: v for k, v in RUNS[0].items() if k != field}, RUNS[1]]
+        with pytest.raises(ValueError, match=rf"lacking some: {{'denseformer 1x1': \['{field}'\]}}"):
+            clm_results(results(data_record("kjv")) | {"runs": runs}, "denseformer")
 
 
 def test_a_record_with_an_unknown_source_is_refused():
