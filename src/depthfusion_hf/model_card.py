@@ -22,8 +22,8 @@ from transformers import PreTrainedModel
 
 from .families import get_family
 
-# Built-in corpora of ``load_documents`` and what their validation split holds.
 RUN_FIELDS = ("model_type", "eval_loss", "perplexity")  # what clm_results reads from each run
+# Built-in corpora of ``load_documents`` and what their validation split holds.
 BUILTIN_DATASETS = {"kjv": "King James Bible, held-out chapters", "plays": "Shakespeare's plays, held-out passages"}
 
 
