@@ -20,13 +20,7 @@ from huggingface_hub.utils import validate_repo_id as hub_repo_id_rules
 from transformers import PreTrainedModel
 
 from .model_card import build_model_card, clm_results, default_model_cards_dir, model_card_values
-from .remote_code import (
-    TOKENIZER_FILES,
-    check_export_folder,
-    register_for_remote_code,
-    save_model_folder,
-    save_remote_code_folder,
-)
+from .remote_code import TOKENIZER_FILES, check_export_folder, register_for_remote_code, save_remote_code_folder
 from .safe_folder import MARKER, ExportTargetError, MarkerError, ReplacedEditedFilesWarning, check_target, load_marker
 
 MARKER_PATTERNS = [MARKER, f"*/{MARKER}"]  # the marker at the top and in any sub-folder (`*` crosses '/')
@@ -123,5 +117,5 @@ def push_folder_to_hub(folder: str | os.PathLike, repo_id: str, token: str | Non
 __all__ = ["MARKER", "MARKER_PATTERNS", "TOKENIZER_FILES", "ExportTargetError", "MarkerError",
            "ReplacedEditedFilesWarning", "build_model_card", "check_export_folder", "check_target", "clm_results",
            "default_model_cards_dir", "export_model", "model_card_values", "push_folder_to_hub",
-           "register_for_remote_code", "save_model_folder", "save_remote_code_folder", "upload_problems",
+           "register_for_remote_code", "save_remote_code_folder", "upload_problems",
            "validate_repo_id"]

@@ -78,7 +78,6 @@ def save_remote_code_folder(model: PreTrainedModel, folder: str | os.PathLike, t
     return write_folder(folder, write, overwrite=overwrite, check=problems if check else None)
 
 
-save_model_folder = save_remote_code_folder  # the training script's name: any model, the baseline included
 
 
 def _read_json(path: Path) -> tuple[dict | None, str | None]:
@@ -189,4 +188,4 @@ def check_export_folder(folder: str | os.PathLike, tokenizer: bool = False, mode
 
 
 __all__ = ["TOKENIZER_FILES", "check_export_folder", "register_for_remote_code",
-           "save_model_folder", "save_remote_code_folder"]
+           "save_remote_code_folder"]

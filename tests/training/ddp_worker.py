@@ -1,7 +1,7 @@
 """Run ``scripts/train_clm.py`` unchanged under a launcher, recording what each rank did (DDP and FSDP tests).
 
 The worker wraps what the script calls — ``train_one`` (to dump the rank's parameters before and after
-training), ``save_model_folder`` and matplotlib's ``Figure.savefig`` (to log which rank wrote outputs) —
+training), ``save_remote_code_folder`` and matplotlib's ``Figure.savefig`` (to log which rank wrote outputs) —
 then calls ``train_clm.main`` with the command line it was given. Records go to ``$DEPTHFUSION_DDP_RECORD``:
 
 - ``rank{r}_init.pt`` / ``rank{r}_final.pt``: the model's state dict before and after training. Under FSDP the
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> None:
     """Install the recorders and run ``train_clm.main(argv)``."""
     RECORD.mkdir(parents=True, exist_ok=True)
     train_clm.train_one = _wrap_train_one(train_clm.train_one)
-    clm.save_model_folder = _wrap_writer(clm.save_model_folder, "final folder")
+    clm.save_remote_code_folder = _wrap_writer(clm.save_remote_code_folder, "final folder")
     Figure.savefig = _wrap_writer(Figure.savefig, "figure")
     train_clm.is_main_process = _wrap_is_main_process(train_clm.is_main_process)
     train_clm.main(argv)

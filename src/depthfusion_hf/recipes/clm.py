@@ -32,7 +32,7 @@ from ..data.textfile import DataFormatError, read_json_file
 from ..families import FAMILIES, Family, causal_lm_families
 from ..models.backbones import as_backbone_config
 from ..models.transformers_compat import CHECKPOINTING_TRAINING_ARG
-from ..remote_code import save_model_folder
+from ..remote_code import save_remote_code_folder
 from .checkpoints import CheckpointExtras, full_disk_error, get_last_checkpoint
 from .records import table_lines
 
@@ -374,9 +374,9 @@ def train_one(
     """Train ``model`` with the ``Trainer``, evaluate it, and save a remote-code folder to ``output_dir/final``.
 
     ``output_dir/final`` must be missing, empty or a previous export of this package (see
-    ``remote_code.save_model_folder``); check it with ``safe_folder.check_target`` before training.
+    ``remote_code.save_remote_code_folder``); check it with ``safe_folder.check_target`` before training.
     ``overwrite``: write ``final`` beside foreign entries and replace edited files the export writes again
-    (``save_model_folder``'s rule; a warning names them).
+    (``save_remote_code_folder``'s rule; a warning names them).
     ``trainer_class`` builds the trainer from ``model``, ``args``, ``train_dataset`` and ``eval_dataset`` keywords
     (a ``DepthFusionTrainer`` subclass or a ``functools.partial`` adding callbacks; see ``recipes/study/``).
     ``analyse`` is called on the main process with the trained, unsharded model (under FSDP / DeepSpeed the
@@ -408,7 +408,7 @@ def train_one(
     if trainer.is_world_process_zero():
         # a remote-code folder (the Llama baseline: a plain one), marked; never replaces what we did not write
         try:
-            save_model_folder(to_save, output_dir / "final", tokenizer=tokenizer, overwrite=overwrite)
+            save_remote_code_folder(to_save, output_dir / "final", tokenizer=tokenizer, overwrite=overwrite)
         except Exception as error:
             full = full_disk_error(error, output_dir)
             if full is not None:
