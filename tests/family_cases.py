@@ -18,7 +18,7 @@ import torch
 from transformers import CONFIG_MAPPING, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from depthfusion_hf.families import causal_lm_families, get_family
-from depthfusion_hf.models.depthfusion_common import MIRRORED_FIELDS
+from depthfusion_hf.models.configuration_decoder import MIRRORED_FIELDS
 from tests.attnres import helpers as attnres
 from tests.denseformer import helpers as denseformer
 from tests.mhc import helpers as mhc

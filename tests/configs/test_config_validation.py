@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.activations import ACT2FN
 
 from depthfusion_hf import AttnResConfig, DenseFormerConfig, MHCConfig, MoDAConfig
-from depthfusion_hf.models.depthfusion_common import (
+from depthfusion_hf.models.configuration_decoder import (
     DecoderConfigMixin,
     check_unknown_options,
     decoder_configs,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 
-from .depthfusion_common import DecoderConfigMixin, check_positive_int
+from .configuration_decoder import DecoderConfigMixin
+from .depthfusion_common import check_positive_int
 
 
 @strict

@@ -3,7 +3,8 @@ Hyper-Connections (DeepSeek-V4; Xie et al., 2026)."""
 
 from huggingface_hub.dataclasses import strict
 
-from .depthfusion_common import DecoderConfigMixin, check_positive_int, check_real
+from .configuration_decoder import DecoderConfigMixin
+from .depthfusion_common import check_positive_int, check_real
 
 
 @strict

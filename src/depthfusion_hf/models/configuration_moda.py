@@ -6,7 +6,8 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
-from .depthfusion_common import DecoderConfigMixin, check_positive_int, check_real
+from .configuration_decoder import DecoderConfigMixin
+from .depthfusion_common import check_positive_int, check_real
 
 NORM_POSITIONS = ("pre", "post")
 
