@@ -234,12 +234,14 @@ def test_a_model_resolves_its_ops_backend_once_per_forward_from_its_config(famil
     and device, and the ops run that backend; $DEPTHFUSION_BACKEND overrides the config; a bad name is an error."""
     from transformers import AutoModelForCausalLM
 
-    config_class, modeling, op_module = decoder_families()[family]
+    config_class, _, _ = decoder_families()[family]
     chosen: list[tuple] = []
-    original = modeling.resolve_backend
-    monkeypatch.setattr(modeling, "resolve_backend", lambda *args: chosen.append(args) or original(*args))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config_class(**TINY, op_backend="reference")).eval()
+    base_model = type(model.model)  # its forward (causal_lm.DepthFusionModel) resolves with the family op's rule
+    original = base_model.resolve_backend
+    monkeypatch.setattr(base_model, "resolve_backend",
+                        staticmethod(lambda *args: chosen.append(args) or original(*args)))
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         reference = model(ids).logits

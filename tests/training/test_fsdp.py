@@ -79,8 +79,8 @@ def rank_reports(root: Path) -> list[dict]:
 @pytest.mark.parametrize("fsdp_run", LLAMA_RUNS + OTHER_BACKBONE_RUNS, indirect=True, ids="-".join)
 def test_fsdp_shards_the_model_and_trains_like_one_process(fsdp_run, single_process_run):
     family, backbone, root = fsdp_run
-    assert json.loads((root / "out" / family / "final" / "config.json").read_text()).get(
-        "backbone_config", {}).get("model_type", "llama") == backbone
+    saved = json.loads((root / "out" / family / "final" / "config.json").read_text())
+    assert (saved.get("backbone_config") or {"model_type": "llama"})["model_type"] == backbone
     reports = rank_reports(root)
     assert [r["world_size"] for r in reports] == [RANKS] * RANKS
     # accelerate wrapped each decoder layer (the model's _no_split_modules) and the root as FSDP units ...
