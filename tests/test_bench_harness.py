@@ -55,11 +55,12 @@ def test_family_folders_of_another_checkout_load_under_other_names(tmp_path, cap
     models = checkout / "src" / "depthfusion_hf" / "models"
     models.mkdir(parents=True)
     (models / "__init__.py").write_text("")
-    for name in ("configuration_denseformer.py", "modeling_denseformer.py", "dwa.py", "dwa_triton.py"):
+    pending = ["configuration_denseformer.py", "modeling_denseformer.py", "dwa.py", "dwa_triton.py"]
+    while pending:  # the DenseFormer's files and, transitively, the same-folder modules they import
+        name = pending.pop()
         shutil.copy(REPO / "src" / "depthfusion_hf" / "models" / name, models / name)
-    for name in [line.split()[1] for line in (models / "modeling_denseformer.py").read_text().splitlines()
-                 if line.startswith("from .") and not (models / f"{line.split()[1][1:]}.py").exists()]:
-        shutil.copy(REPO / "src" / "depthfusion_hf" / "models" / f"{name[1:]}.py", models / f"{name[1:]}.py")
+        pending += [f"{line.split()[1][1:]}.py" for line in (models / name).read_text().splitlines()
+                    if line.startswith("from .") and not (models / f"{line.split()[1][1:]}.py").exists()]
     loaded = harness.load_before_families(checkout, ["denseformer", "moda"])
     assert list(loaded) == ["denseformer"] and "no moda package" in capsys.readouterr().out
     module = loaded["denseformer"]
