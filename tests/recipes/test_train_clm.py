@@ -192,9 +192,9 @@ def test_upcycling_another_backbone_trains_the_family_and_the_source_side_by_sid
 def test_a_config_with_a_backbone_trains_the_family_and_that_backbone_side_by_side(tmp_path):
     """--config with a ``backbone_config`` (issue 30): the family is built on that decoder, and the same-seed baseline
     is the backbone's own causal LM at the same sizes (before, a default-size Llama of 6.7B parameters)."""
-    sizes = {k: v for k, v in json.loads((REPO / "configs" / "clm_tiny.json").read_text()).items() if k[0] != "_"}
-    config = tmp_path / "tiny_gemma3.json"
-    config.write_text(json.dumps({"backbone_config": {"model_type": "gemma3_text", "head_dim": 16, **sizes}}))
+    from tests.training.launch import tiny_config
+
+    config = tiny_config("gemma3_text", tmp_path)  # configs/clm_tiny.json's sizes as a Gemma 3 backbone_config
     out = tmp_path / "run"
     proc = train_clm(TINY + ["--config", str(config), "--model", "mhc", "--max_steps", "1", "--eval_steps", "0",
                              "--output_dir", str(out)], tmp_path)
